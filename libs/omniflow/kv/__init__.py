@@ -1,0 +1,1 @@
+"""KV-cache primitives shared by workers, agents, the index and the router."""

@@ -1,0 +1,129 @@
+"""Block identity (DESIGN.md §4.1): the chained xxh3_128 hash of KV pages.
+
+``block_hash[i] = xxh3_128(parent ‖ namespace ‖ tokens_i as little-endian u32 ‖ extra_i)``
+with ``parent = 16 zero bytes`` for the first page. Only full pages get a hash: the
+partial tail page of a request stays private to the worker that holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+HASH_BYTES = 16
+ROOT_PARENT = bytes(HASH_BYTES)
+DEFAULT_PAGE_SIZE = 16
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+class BlockIdentityError(ValueError):
+    """A layout or token list that cannot produce block hashes."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What a KV page looks like in memory; two layouts that differ never share a block."""
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+    page_size: int = DEFAULT_PAGE_SIZE
+    lora_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise BlockIdentityError("model_id must not be empty")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            if getattr(self, name) <= 0:
+                raise BlockIdentityError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.dtype not in _DTYPE_BYTES:
+            raise BlockIdentityError(
+                f"dtype {self.dtype!r} is not supported; accepted: {sorted(_DTYPE_BYTES)}"
+            )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: K and V, for every layer, for ``page_size`` tokens."""
+        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return per_token * self.page_size
+
+    def fingerprint(self) -> bytes:
+        """Canonical bytes of the layout, hashed into every block of this namespace."""
+        text = (
+            f"omniflow-kv-v1|model={self.model_id}|layers={self.num_layers}"
+            f"|kv_heads={self.num_kv_heads}|head_dim={self.head_dim}|dtype={self.dtype}"
+            f"|page={self.page_size}|lora={self.lora_id}"
+        )
+        return text.encode()
+
+    @property
+    def namespace(self) -> bytes:
+        """16-byte namespace id: xxh3_128 of the fingerprint."""
+        return xxhash.xxh3_128_digest(self.fingerprint())
+
+    @property
+    def namespace_hex(self) -> str:
+        return self.namespace.hex()
+
+
+def encode_extra_keys(extra: Sequence[tuple[bytes, int]]) -> bytes:
+    """Serialise a page's multimodal extra keys: each (16-byte item id, u32 offset)."""
+    out = bytearray()
+    for item_id, offset in extra:
+        if len(item_id) != HASH_BYTES:
+            raise BlockIdentityError(f"item id must be {HASH_BYTES} bytes, got {len(item_id)}")
+        out += item_id + int(offset).to_bytes(4, "little")
+    return bytes(out)
+
+
+def item_id(raw: bytes) -> bytes:
+    """Id of a multimodal item (image, audio clip): xxh3_128 of its raw bytes."""
+    return xxhash.xxh3_128_digest(raw)
+
+
+def hash_page(parent: bytes, namespace: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    """Hash of one full page given its parent's hash."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise BlockIdentityError("token ids must fit in an unsigned 32-bit integer")
+    h = xxhash.xxh3_128()
+    h.update(parent)
+    h.update(namespace)
+    h.update(arr.astype("<u4").tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+def block_hashes(
+    namespace: bytes,
+    tokens: Sequence[int],
+    page_size: int = DEFAULT_PAGE_SIZE,
+    extra_keys: dict[int, bytes] | None = None,
+    parent: bytes = ROOT_PARENT,
+) -> list[bytes]:
+    """Hashes of every full page of ``tokens``; the partial tail page has none.
+
+    ``extra_keys`` maps a page index to its encoded extra keys (``encode_extra_keys``).
+    """
+    if page_size <= 0:
+        raise BlockIdentityError(f"page_size must be > 0, got {page_size}")
+    if len(namespace) != HASH_BYTES:
+        raise BlockIdentityError(f"namespace must be {HASH_BYTES} bytes, got {len(namespace)}")
+    extra_keys = extra_keys or {}
+    out: list[bytes] = []
+    for i in range(len(tokens) // page_size):
+        parent = hash_page(
+            parent, namespace, tokens[i * page_size : (i + 1) * page_size], extra_keys.get(i, b"")
+        )
+        out.append(parent)
+    return out

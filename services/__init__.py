@@ -1,0 +1,1 @@
+"""Omni-Flow services: one sub-package per service."""

@@ -1,0 +1,14 @@
+"""Package mapping that pyproject.toml cannot express: the shared library lives in
+libs/omniflow (import name `omniflow`) and the services in services/<name>
+(import name `omniflow_services.<name>`), and one install provides both."""
+
+from setuptools import find_packages, setup
+
+packages = find_packages("libs", include=["omniflow", "omniflow.*"])
+packages += ["omniflow_services"] + [
+    f"omniflow_services.{p}" for p in find_packages("services")
+]
+setup(
+    packages=packages,
+    package_dir={"omniflow": "libs/omniflow", "omniflow_services": "services"},
+)
