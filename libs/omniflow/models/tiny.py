@@ -67,7 +67,8 @@ def _init_weights(
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=gen)
 
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen)}
+    w: dict[str, torch.Tensor] = {}
+    w["model.embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen)
     for i in range(layers):
         p = f"model.layers.{i}."
         w[p + "self_attn.q_proj.weight"] = linear(heads * head_dim, hidden)
