@@ -1,0 +1,180 @@
+"""Typed, frozen settings read from environment variables, with documented defaults.
+
+Each service declares a frozen dataclass whose fields carry ``setting(env, default, help)``
+metadata. ``load_settings`` reads the environment, applies overrides (from command-line
+flags), converts every value to the field's type, and fails fast with a message that names
+the variable, the bad value and what is accepted. ``settings_table`` renders the README's
+table from the same declarations, so the docs cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class SettingsError(ValueError):
+    """A setting is missing or malformed; the message names the variable."""
+
+
+def setting(
+    env: str,
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] = (),
+    minimum: float | None = None,
+) -> Any:
+    """Declare one setting: its environment variable, default and help text."""
+    meta = {"env": env, "help": help, "choices": choices, "minimum": minimum}
+    return field(default=default, metadata=meta)
+
+
+def _convert(raw: str, typ: Any, env: str) -> Any:
+    origin = get_origin(typ)
+    if origin in (types.UnionType,) or (origin is not None and type(None) in get_args(typ)):
+        args = [a for a in get_args(typ) if a is not type(None)]
+        if raw == "":
+            return None
+        return _convert(raw, args[0], env)
+    if typ is bool:
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise SettingsError(f"{env}={raw!r} is not a boolean; accepted: 1/0, true/false, yes/no")
+    if typ is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise SettingsError(f"{env}={raw!r} is not an integer") from None
+    if typ is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise SettingsError(f"{env}={raw!r} is not a number") from None
+    if typ is Path:
+        return Path(raw).expanduser()
+    if typ is str:
+        return raw
+    if origin is tuple:
+        return tuple(p.strip() for p in raw.split(",") if p.strip())
+    raise SettingsError(f"{env}: unsupported setting type {typ!r}")
+
+
+def load_settings(
+    cls: type[T], env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> T:
+    """Build ``cls`` from the environment; ``overrides`` (field name → value) win."""
+    env = os.environ if env is None else env
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        name = f.metadata.get("env", f.name.upper())
+        if f.name in overrides:
+            value = overrides[f.name]
+            if isinstance(value, str) and hints[f.name] is not str:
+                value = _convert(value, hints[f.name], f"--{f.name.replace('_', '-')}")
+        elif name in env:
+            value = _convert(env[name], hints[f.name], name)
+        else:
+            continue
+        choices = f.metadata.get("choices") or ()
+        if choices and value not in choices:
+            raise SettingsError(f"{name}={value!r} is not accepted; accepted: {', '.join(choices)}")
+        minimum = f.metadata.get("minimum")
+        if minimum is not None and isinstance(value, int | float) and value < minimum:
+            raise SettingsError(f"{name}={value!r} is below the minimum {minimum}")
+        values[f.name] = value
+    return cls(**values)
+
+
+def settings_table(*classes: type) -> str:
+    """A Markdown table of every setting of ``classes`` (for the README)."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    seen: set[str] = set()
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            env = f.metadata.get("env")
+            if not env or env in seen:
+                continue
+            seen.add(env)
+            default = f.default if f.default is not dataclasses.MISSING else ""
+            shown = "" if default is None else str(default)
+            choices = f.metadata.get("choices")
+            text = f.metadata.get("help", "")
+            if choices:
+                text += f" ({' / '.join(choices)})"
+            rows.append(f"| `{env}` | `{shown}` | {text} |")
+    return "\n".join(rows)
+
+
+@dataclass(frozen=True, slots=True)
+class CommonSettings:
+    """Settings every service reads."""
+
+    host: str = setting("OMNIFLOW_HOST", "127.0.0.1", "address the gRPC server binds")
+    port: int = setting("OMNIFLOW_PORT", 0, "gRPC port; 0 picks a free one", minimum=0)
+    advertise_host: str = setting(
+        "OMNIFLOW_ADVERTISE_HOST", "", "host others use to reach this service; empty: bind host "
+        "(or the hostname when binding 0.0.0.0)"
+    )
+    instance_id: str = setting("OMNIFLOW_INSTANCE_ID", "", "unique id; empty: service-host-pid")
+    node_id: str = setting("OMNIFLOW_NODE_ID", "", "node (machine) id; empty: the hostname")
+    discovery: str = setting(
+        "OMNIFLOW_DISCOVERY", "redis", "discovery backend", choices=("redis", "consul", "static")
+    )
+    redis_url: str = setting("OMNIFLOW_REDIS_URL", "redis://127.0.0.1:6379/0", "Redis URL")
+    consul_addr: str = setting("CONSUL_HTTP_ADDR", "127.0.0.1:8500", "Consul HTTP API address")
+    consul_token: str = setting("CONSUL_HTTP_TOKEN", "", "Consul ACL token")
+    consul_check: str = setting(
+        "OMNIFLOW_CONSUL_CHECK", "ttl", "Consul health check kind", choices=("ttl", "grpc")
+    )
+    static_file: str = setting("OMNIFLOW_STATIC_FILE", "", "service file of the static backend")
+    registration_ttl_s: float = setting(
+        "OMNIFLOW_REGISTRATION_TTL_S", 5.0, "registration time to live; refreshed at a third",
+        minimum=0.5,
+    )
+    metrics_port: int = setting(
+        "OMNIFLOW_METRICS_PORT", 0, "Prometheus HTTP port; 0 picks a free one, -1 disables"
+    )
+    max_concurrent_rpcs: int = setting(
+        "OMNIFLOW_MAX_CONCURRENT_RPCS", 512, "RPCs served at once; more get RESOURCE_EXHAUSTED",
+        minimum=1,
+    )
+    call_timeout_s: float = setting(
+        "OMNIFLOW_CALL_TIMEOUT_S", 10.0, "deadline of outgoing calls that set none", minimum=0.001
+    )
+    shutdown_grace_s: float = setting(
+        "OMNIFLOW_SHUTDOWN_GRACE_S", 5.0, "grace period for in-flight RPCs on shutdown", minimum=0
+    )
+    log_level: str = setting(
+        "OMNIFLOW_LOG_LEVEL", "INFO", "log level",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+    )
+    ready_file: str = setting(
+        "OMNIFLOW_READY_FILE", "", "when set, a JSON file written once the service is SERVING"
+    )
+
+    def resolved_node(self) -> str:
+        return self.node_id or socket.gethostname()
+
+    def resolved_advertise_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", "[::]"):
+            return socket.gethostname()
+        return self.host
