@@ -127,3 +127,60 @@ def block_hashes(
         )
         out.append(parent)
     return out
+
+
+# --- multimodal items ------------------------------------------------------------------------
+
+#: Pad ids have the top bit set, so they never equal a real vocabulary id (all < 2**31).
+PAD_ID_FLAG = 0x8000_0000
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalSpan:
+    """A multimodal item's placeholder tokens: ``length`` tokens from index ``start``."""
+
+    item_id: bytes
+    start: int
+    length: int
+
+
+def pad_id(item: bytes) -> int:
+    """The u32 every placeholder token of ``item`` is rewritten to (DESIGN §4.1).
+
+    ``PAD_ID_FLAG | (first 4 bytes of the item id, little-endian, with the top bit cleared)``.
+    """
+    if len(item) != HASH_BYTES:
+        raise BlockIdentityError(f"item id must be {HASH_BYTES} bytes, got {len(item)}")
+    return PAD_ID_FLAG | (int.from_bytes(item[:4], "little") & 0x7FFF_FFFF)
+
+
+def apply_multimodal(
+    tokens: Sequence[int], spans: Sequence[MultimodalSpan], page_size: int = DEFAULT_PAGE_SIZE
+) -> tuple[list[int], dict[int, bytes]]:
+    """Rewrite placeholder tokens to pad ids and build the per-page extra keys.
+
+    Every page that the span ``[start, start + length)`` overlaps carries ``(item id, offset)``
+    where ``offset`` is the position, within the item's span, of the first of the item's
+    tokens that lies on that page: ``max(0, page_start - start)``. A page overlapped by
+    several items lists them in the order of their ``start``. Returns the rewritten tokens
+    and ``{page index: encode_extra_keys(...)}``, ready for ``block_hashes``.
+    """
+    if page_size <= 0:
+        raise BlockIdentityError(f"page_size must be > 0, got {page_size}")
+    out = list(tokens)
+    per_page: dict[int, list[tuple[bytes, int]]] = {}
+    end_prev = 0
+    for span in sorted(spans, key=lambda s: s.start):
+        if span.length <= 0 or span.start < end_prev or span.start + span.length > len(out):
+            raise BlockIdentityError(
+                f"span start={span.start} length={span.length} must be non-empty, inside the "
+                f"{len(out)} tokens, and not overlap the previous span (ends at {end_prev})"
+            )
+        end = span.start + span.length
+        pad = pad_id(span.item_id)
+        out[span.start : end] = [pad] * span.length
+        for page in range(span.start // page_size, (end - 1) // page_size + 1):
+            offset = max(0, page * page_size - span.start)
+            per_page.setdefault(page, []).append((span.item_id, offset))
+        end_prev = end
+    return out, {page: encode_extra_keys(keys) for page, keys in per_page.items()}
