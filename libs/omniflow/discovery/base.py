@@ -1,0 +1,163 @@
+"""Service discovery interface shared by every backend.
+
+A service instance registers itself once it is ready to serve and keeps the
+registration alive for as long as it runs. Liveness follows two paths:
+
+* graceful stop (SIGTERM): the service calls ``deregister`` explicitly, and
+  watchers see the instance vanish at once;
+* hard death (SIGKILL, a crash, a lost node): nobody deregisters, the
+  registration's TTL (or its failing health check) expires, and watchers see
+  the instance vanish within about one TTL.
+
+``Registry.close`` therefore only stops the background refreshers and releases
+connections; it never deregisters, so that a process that closes its registry
+without deregistering looks exactly like one that died.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+from omniflow.errors import InvalidArgument, Unavailable
+
+# Names end up in Redis keys, Consul ids and file keys: keep them to a safe alphabet
+# (no ':' so that a Redis key splits unambiguously, no '/' for Consul's URL paths).
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}")
+
+
+class DiscoveryError(Unavailable):
+    """The discovery backend failed, could not be reached, or was misconfigured."""
+
+
+def check_name(kind: str, value: str) -> str:
+    """Return ``value`` if it is a valid service name or instance id, else raise."""
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise InvalidArgument(
+            f"bad {kind} {value!r}: expected 1-128 characters of [A-Za-z0-9_.@-], "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (or ``"[v6]:port"``) into host and port, validating both."""
+    host, sep, port_s = address.rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise InvalidArgument(f"bad address {address!r}: expected 'host:port' with port 1-65535")
+    return host.removeprefix("[").removesuffix("]"), int(port_s)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceInstance:
+    """One running instance of a service, as stored in and returned by a registry.
+
+    ``metadata`` carries string pairs such as role, model, kv_namespace, node and
+    metrics address. It takes no part in the hash (a dict is not hashable) but does
+    in equality; treat it as read-only.
+    """
+
+    service: str
+    instance_id: str
+    address: str
+    metadata: dict[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        check_name("service name", self.service)
+        check_name("instance id", self.instance_id)
+        split_address(self.address)
+        if not isinstance(self.metadata, Mapping):
+            raise InvalidArgument(f"metadata of {self.instance_id!r} must be a mapping")
+        for key, value in self.metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise InvalidArgument(
+                    f"metadata of {self.instance_id!r} must map str to str, got {key!r}: {value!r}"
+                )
+        # A private copy: the caller's dict may change later, this instance must not.
+        object.__setattr__(self, "metadata", dict(self.metadata))
+
+    @property
+    def host(self) -> str:
+        return split_address(self.address)[0]
+
+    @property
+    def port(self) -> int:
+        return split_address(self.address)[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, the inverse of :meth:`from_dict`."""
+        return {
+            "service": self.service,
+            "instance_id": self.instance_id,
+            "address": self.address,
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ServiceInstance:
+        try:
+            return cls(
+                service=data["service"],
+                instance_id=data["instance_id"],
+                address=data["address"],
+                metadata=dict(data.get("metadata") or {}),
+            )
+        except (KeyError, TypeError) as exc:
+            raise InvalidArgument(f"bad service instance record {data!r}: {exc}") from exc
+
+
+def sorted_instances(instances: list[ServiceInstance]) -> list[ServiceInstance]:
+    """Canonical order (by instance id), so that two listings compare equal."""
+    return sorted(instances, key=lambda inst: inst.instance_id)
+
+
+class Registry(abc.ABC):
+    """An async service registry.
+
+    Every network call a backend makes has a timeout; failures surface as
+    :class:`DiscoveryError`. Usable as an async context manager (``close`` on exit).
+    """
+
+    @abc.abstractmethod
+    async def register(self, instance: ServiceInstance, ttl_s: float) -> None:
+        """Register ``instance`` and keep it alive until ``deregister`` or ``close``.
+
+        Backends that need it refresh the registration in a background task every
+        ``ttl_s / 3``; if this process dies, the registration lapses after ``ttl_s``.
+        Registering an instance id again replaces the earlier registration.
+        """
+
+    @abc.abstractmethod
+    async def deregister(self, instance_id: str) -> None:
+        """Remove the registration now (graceful shutdown). Unknown ids are ignored."""
+
+    @abc.abstractmethod
+    async def list(self, service: str) -> list[ServiceInstance]:
+        """Live (healthy) instances of ``service``, ordered by instance id."""
+
+    @abc.abstractmethod
+    def watch(self, service: str) -> AsyncIterator[list[ServiceInstance]]:
+        """Yield the current live instances at once, then again after every change.
+
+        Transient backend failures are logged and retried; the iterator keeps
+        going. Close it (``contextlib.aclosing``) or ``close`` the registry to stop.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop refreshers and watches and release connections. Does not deregister."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

