@@ -129,8 +129,10 @@ class CommonSettings:
     host: str = setting("OMNIFLOW_HOST", "127.0.0.1", "address the gRPC server binds")
     port: int = setting("OMNIFLOW_PORT", 0, "gRPC port; 0 picks a free one", minimum=0)
     advertise_host: str = setting(
-        "OMNIFLOW_ADVERTISE_HOST", "", "host others use to reach this service; empty: bind host "
-        "(or the hostname when binding 0.0.0.0)"
+        "OMNIFLOW_ADVERTISE_HOST",
+        "",
+        "host others use to reach this service; empty: bind host "
+        "(or the hostname when binding 0.0.0.0)",
     )
     instance_id: str = setting("OMNIFLOW_INSTANCE_ID", "", "unique id; empty: service-host-pid")
     node_id: str = setting("OMNIFLOW_NODE_ID", "", "node (machine) id; empty: the hostname")
@@ -145,14 +147,18 @@ class CommonSettings:
     )
     static_file: str = setting("OMNIFLOW_STATIC_FILE", "", "service file of the static backend")
     registration_ttl_s: float = setting(
-        "OMNIFLOW_REGISTRATION_TTL_S", 5.0, "registration time to live; refreshed at a third",
+        "OMNIFLOW_REGISTRATION_TTL_S",
+        5.0,
+        "registration time to live; refreshed at a third",
         minimum=0.5,
     )
     metrics_port: int = setting(
         "OMNIFLOW_METRICS_PORT", 0, "Prometheus HTTP port; 0 picks a free one, -1 disables"
     )
     max_concurrent_rpcs: int = setting(
-        "OMNIFLOW_MAX_CONCURRENT_RPCS", 512, "RPCs served at once; more get RESOURCE_EXHAUSTED",
+        "OMNIFLOW_MAX_CONCURRENT_RPCS",
+        512,
+        "RPCs served at once; more get RESOURCE_EXHAUSTED",
         minimum=1,
     )
     call_timeout_s: float = setting(
@@ -162,7 +168,9 @@ class CommonSettings:
         "OMNIFLOW_SHUTDOWN_GRACE_S", 5.0, "grace period for in-flight RPCs on shutdown", minimum=0
     )
     log_level: str = setting(
-        "OMNIFLOW_LOG_LEVEL", "INFO", "log level",
+        "OMNIFLOW_LOG_LEVEL",
+        "INFO",
+        "log level",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
     )
     ready_file: str = setting(
@@ -178,3 +186,28 @@ class CommonSettings:
         if self.host in ("0.0.0.0", "::", "[::]"):
             return socket.gethostname()
         return self.host
+
+
+def settings_from_argv(cls: type[T], argv: list[str] | None, description: str) -> T:
+    """Settings from the environment, with every field also a ``--flag`` that overrides it.
+
+    Exits with status 2 and a message naming the variable when a value is bad.
+    """
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        env = f.metadata.get("env", f.name.upper())
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            default=None,
+            help=f"{f.metadata.get('help', '')} [env {env}, default {f.default!r}]",
+        )
+    args = parser.parse_args(argv)
+    try:
+        return load_settings(cls, overrides=vars(args))
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

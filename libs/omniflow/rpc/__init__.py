@@ -1,0 +1,1 @@
+"""The gRPC runtime every service shares: server bootstrap, channels, interceptors."""

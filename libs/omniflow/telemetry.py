@@ -1,0 +1,118 @@
+"""Tracing and metrics, wired once here for every server and channel.
+
+Tracing follows the standard ``OTEL_*`` variables: ``OTEL_SDK_DISABLED`` turns it off,
+``OTEL_SERVICE_NAME`` names the service, ``OTEL_TRACES_EXPORTER`` picks ``otlp`` (the
+default when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``..._TRACES_ENDPOINT`` is set),
+``console`` or ``none`` (the default otherwise: spans are still created and propagated,
+so a downstream service that does export keeps the trace connected). The W3C
+``traceparent`` header carries the context across every gRPC hop.
+
+Metrics are Prometheus counters and histograms served on an HTTP port per service.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import MutableMapping
+
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from prometheus_client import Counter, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+TRACER_NAME = "omniflow"
+
+RPC_SERVED = Counter(
+    "omniflow_rpc_served_total", "RPCs served, by method and status code", ["method", "code"]
+)
+RPC_SECONDS = Histogram(
+    "omniflow_rpc_server_seconds",
+    "Time to serve an RPC (to the last message for streams)",
+    ["method"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+_provider: TracerProvider | None = None
+
+
+def _exporter_from_env() -> SpanExporter | None:
+    kind = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if not kind:
+        kind = "otlp" if endpoint else "none"
+    if kind == "none":
+        return None
+    if kind == "console":
+        return ConsoleSpanExporter()
+    if kind == "otlp":
+        # Imported here: the exporter pulls in its own gRPC stack only when used.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    raise ValueError(
+        f"OTEL_TRACES_EXPORTER={kind!r} is not supported; accepted: otlp, console, none"
+    )
+
+
+def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> TracerProvider | None:
+    """Install the process's tracer provider once; later calls return the same one.
+
+    ``exporter`` overrides the environment (tests pass an in-memory exporter, which is
+    exported synchronously so that a test sees every span as soon as it ends).
+    """
+    global _provider
+    if _provider is not None:
+        if exporter is not None:
+            _provider.add_span_processor(SimpleSpanProcessor(exporter))
+        return _provider
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    processor: SpanProcessor | None
+    if exporter is not None:
+        processor = SimpleSpanProcessor(exporter)
+    else:
+        env_exporter = _exporter_from_env()
+        processor = BatchSpanProcessor(env_exporter) if env_exporter else None
+    if processor is not None:
+        provider.add_span_processor(processor)
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    log.debug("tracing set up for %s (exporter: %s)", name, type(processor).__name__)
+    return provider
+
+
+def shutdown_tracing(timeout_s: float = 5.0) -> None:
+    """Flush pending spans and stop exporting (the last step of a service's shutdown)."""
+    if _provider is not None:
+        _provider.force_flush(int(timeout_s * 1000))
+        _provider.shutdown()
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(TRACER_NAME)
+
+
+def inject(carrier: MutableMapping[str, str]) -> None:
+    """Write the current trace context into ``carrier`` (e.g. a Redis record or metadata)."""
+    propagate.inject(carrier)
+
+
+def start_metrics_server(port: int, host: str) -> int | None:
+    """Serve Prometheus metrics over HTTP; returns the bound port, or None when disabled."""
+    if port < 0:
+        return None
+    server, _thread = start_http_server(port, addr=host)
+    return int(server.server_port)
