@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from omniflow.localredis import LocalRedisError, RedisProcess, start_redis
+from omniflow.localredis import LocalRedisError, RedisProcess, find_redis_server, start_redis
 
 
 @pytest.fixture(scope="session")
@@ -17,9 +17,11 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc
     what you made). Skips, saying why, when no redis-server binary exists.
     """
     try:
-        server = start_redis(dir=tmp_path_factory.mktemp("redis"))
+        binary = find_redis_server()
     except LocalRedisError as exc:
         pytest.skip(f"needs a redis-server: {exc}")
+    # A server that is present but fails to start is an error, not a skip.
+    server = start_redis(dir=tmp_path_factory.mktemp("redis"), binary=binary)
     try:
         yield server
     finally:

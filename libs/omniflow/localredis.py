@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -56,13 +57,25 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _ping(port: int, timeout_s: float) -> bool:
+def _server_pid(port: int, timeout_s: float) -> int | None:
+    """The pid a Redis server on ``port`` reports, or None if none answers.
+
+    PING alone is not enough: if the port was taken by another Redis, that one
+    would answer while ours exits with "Address already in use".
+    """
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            sock.sendall(b"INFO server\r\n")
+            data = b""
+            while b"process_id:" not in data or not data.endswith(b"\r\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
     except OSError:
-        return False
+        return None
+    match = re.search(rb"process_id:(\d+)", data)
+    return int(match.group(1)) if match else None
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -158,7 +171,7 @@ def start_redis(
     startup_timeout_s: float = 10.0,
     binary: Path | None = None,
 ) -> RedisProcess:
-    """Start redis-server on 127.0.0.1 and wait until it answers PING.
+    """Start redis-server on 127.0.0.1 and wait until it answers (INFO, with its own pid).
 
     ``port=0`` picks a free port (retried if another process takes it first).
     ``dir`` holds the log and any data; when None a temporary directory is made
@@ -179,7 +192,7 @@ def start_redis(
         proc = _spawn(binary, chosen, workdir, persist)
         deadline = time.monotonic() + startup_timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
-            if _ping(chosen, timeout_s=0.5):
+            if _server_pid(chosen, timeout_s=0.5) == proc.pid:
                 log.info("redis-server pid %s serving on 127.0.0.1:%s", proc.pid, chosen)
                 return RedisProcess(proc, chosen, workdir, tmp)
             time.sleep(0.05)
@@ -188,7 +201,7 @@ def start_redis(
         proc.wait()
         tail = _tail(workdir / _LOG_NAME)
         error = (
-            f"redis-server ({binary}) did not answer PING on 127.0.0.1:{chosen} "
+            f"redis-server ({binary}) did not answer on 127.0.0.1:{chosen} "
             f"within {startup_timeout_s}s (exit code {proc.returncode}); log tail:\n{tail}"
         )
         # Only a lost race for a port picked by us is worth another try.
