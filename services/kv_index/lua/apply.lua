@@ -1,0 +1,81 @@
+-- Apply a batch of block events of one owner (mode 'E', sequence checked and advanced)
+-- or a chunk of a snapshot (mode 'S', sequence untouched).
+-- ARGV: prefix, owner, epoch, mode, seq, packed events
+-- An event is 34 bytes: kind (0 stored, 1 removed, 2 cleared), tier, namespace(16), hash(16).
+-- Returns {status, last seq, applied}; status 0 ok, 1 unknown owner,
+-- 2 stale epoch or lapsed lease, 3 sequence gap (last seq = what the index has).
+local P, owner, epoch_s, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local okey = P .. 'o:' .. owner
+local cur = redis.call('HMGET', okey, 'epoch', 'seq', 'lease_ms')
+if not cur[1] then
+  return {1, 0, 0}
+end
+local lkey = P .. 'l:' .. owner
+if cur[1] ~= epoch_s or redis.call('GET', lkey) ~= epoch_s then
+  return {2, tonumber(cur[2]), 0}
+end
+local seq = tonumber(ARGV[5])
+if mode == 'E' and seq ~= tonumber(cur[2]) + 1 then
+  return {3, tonumber(cur[2]), 0}
+end
+local epoch = tonumber(epoch_s)
+local set = P .. 's:' .. owner .. ':' .. epoch_s
+local bpre = P .. 'b:'
+local d = {0, 0, 0}
+local dblocks = 0
+local data = ARGV[6]
+local n = 0
+for off = 1, #data, 34 do
+  local kind = string.byte(data, off)
+  n = n + 1
+  if kind == 2 then
+    for _, m in ipairs(redis.call('SMEMBERS', set)) do
+      local bk = bpre .. m
+      redis.call('HDEL', bk, owner)
+      if redis.call('HLEN', bk) == 0 then dblocks = dblocks - 1 end
+    end
+    redis.call('DEL', set)
+    redis.call('HSET', okey, 'n0', 0, 'n1', 0, 'n2', 0)
+    d = {0, 0, 0}
+  else
+    local m = string.sub(data, off + 2, off + 33)
+    local bk = bpre .. m
+    local old = redis.call('HGET', bk, owner)
+    if kind == 0 then
+      local tier = string.byte(data, off + 1)
+      local v = epoch * 4 + tier
+      if old then
+        local ov = tonumber(old)
+        if ov ~= v then
+          redis.call('HSET', bk, owner, v)
+          if math.floor(ov / 4) == epoch then d[ov % 4 + 1] = d[ov % 4 + 1] - 1 end
+          d[tier + 1] = d[tier + 1] + 1
+        end
+      else
+        redis.call('HSET', bk, owner, v)
+        if redis.call('HLEN', bk) == 1 then dblocks = dblocks + 1 end
+        d[tier + 1] = d[tier + 1] + 1
+      end
+      redis.call('SADD', set, m)
+    elseif old then
+      local ov = tonumber(old)
+      if math.floor(ov / 4) == epoch then
+        redis.call('HDEL', bk, owner)
+        if redis.call('HLEN', bk) == 0 then dblocks = dblocks - 1 end
+        d[ov % 4 + 1] = d[ov % 4 + 1] - 1
+        redis.call('SREM', set, m)
+      end
+    end
+  end
+end
+for t = 1, 3 do
+  if d[t] ~= 0 then redis.call('HINCRBY', okey, 'n' .. (t - 1), d[t]) end
+end
+if dblocks ~= 0 then redis.call('INCRBY', P .. 'nblocks', dblocks) end
+if mode == 'E' then
+  redis.call('HSET', okey, 'seq', seq)
+else
+  seq = tonumber(cur[2])
+end
+redis.call('PEXPIRE', lkey, cur[3])
+return {0, seq, n}
