@@ -1,0 +1,402 @@
+"""The engine: requests in, streamed tokens out, KV in a paged pool with prefix reuse.
+
+Thread model: ``add_request`` and ``abort`` may be called from any thread (they only queue
+work); ``step`` runs on one thread at a time. ``generate`` is the asyncio wrapper that runs
+steps in a worker thread and streams each request's outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+
+from omniflow.errors import InvalidArgument
+from omniflow.kv.blocks import ROOT_PARENT, KVLayout, hash_page
+from omniflow_services.worker.engine.config import EngineConfig
+from omniflow_services.worker.engine.connector import BlockEventSink, KVConnector
+from omniflow_services.worker.engine.detok import Detokenizer
+from omniflow_services.worker.engine.kv_pool import KVPool
+from omniflow_services.worker.engine.loader import load_model
+from omniflow_services.worker.engine.model import SeqInput, build_batch
+from omniflow_services.worker.engine.prefix_cache import PrefixCache
+from omniflow_services.worker.engine.sampling import sample
+from omniflow_services.worker.engine.scheduler import ScheduledSeq, Scheduler, SeqState
+from omniflow_services.worker.engine.types import (
+    EngineLoad,
+    EngineStats,
+    GenerateRequest,
+    RequestOutput,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """A paged-KV engine for one Llama/Qwen2-family model loaded from a Hugging Face folder.
+
+    ``connector`` serves pages missing from the device pool and receives full pages
+    (write-through); ``events`` receives device-pool block events. Both are optional.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        *,
+        connector: KVConnector | None = None,
+        events: BlockEventSink | None = None,
+    ) -> None:
+        self.config = cfg = config or EngineConfig()
+        loaded = load_model(model_dir, cfg.dtype, cfg.device)
+        self.model_config = mc = loaded.config
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = frozenset(loaded.generation.eos_token_ids)
+        self.max_model_len = min(
+            cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.layout = KVLayout(
+            model_id=cfg.model_id or Path(model_dir).resolve().name,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=cfg.dtype,
+            page_size=cfg.page_size,
+        )
+        self._namespace = self.layout.namespace
+        num_pages = cfg.num_pages or KVPool.pages_for_bytes(self.layout, cfg.kv_cache_bytes)
+        self.pool = KVPool(self.layout, num_pages, cfg.device)
+        self.cache = PrefixCache(num_pages, enabled=cfg.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            self.cache,
+            cfg.page_size,
+            cfg.max_num_batched_tokens,
+            cfg.max_num_seqs,
+            self._match_prefix,
+        )
+        self.connector = connector
+        self.events = events
+        self.stats = EngineStats()
+        self._device = torch.device(cfg.device)
+        self._seqs: dict[str, SeqState] = {}
+        self._incoming: deque[SeqState] = deque()
+        self._aborts: deque[str] = deque()
+        self._id_lock = threading.Lock()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+        log.info(
+            "engine ready: %s, %d KV pages of %d tokens",
+            self.layout.model_id,
+            num_pages,
+            cfg.page_size,
+        )
+
+    # ---------------------------------------------------------------- requests
+
+    def _validate(self, req: GenerateRequest) -> list[int]:
+        if not req.request_id:
+            raise InvalidArgument("request_id must not be empty")
+        if req.prompt_token_ids is not None:
+            ids = list(req.prompt_token_ids)
+        elif req.prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidArgument("this model has no tokenizer: send prompt_token_ids")
+            ids = self.tokenizer.encode(req.prompt).ids
+        else:
+            ids = []
+        if not ids:
+            raise InvalidArgument("the prompt is empty: send at least 1 token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        req.params.validate(vocab)
+        if len(ids) >= self.max_model_len:
+            raise InvalidArgument(
+                f"the prompt has {len(ids)} tokens; the context length is {self.max_model_len} "
+                "(prompt must be shorter to leave room for output)"
+            )
+        total = len(ids) + req.params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidArgument(
+                f"prompt ({len(ids)} tokens) + max_tokens ({req.params.max_tokens}) = {total} "
+                f"exceeds the context length {self.max_model_len}"
+            )
+        pages = -(-total // self.layout.page_size)
+        if pages > self.pool.num_pages:
+            raise InvalidArgument(
+                f"the request needs up to {pages} KV pages; this worker's pool has "
+                f"{self.pool.num_pages}"
+            )
+        return ids
+
+    def add_request(self, req: GenerateRequest) -> None:
+        """Validate and queue a request; raises ``InvalidArgument`` naming the limit broken."""
+        ids = self._validate(req)
+        p = req.params
+        gen = None
+        if not p.greedy:
+            gen = torch.Generator(device=self._device)
+            if p.seed is not None:
+                gen.manual_seed(p.seed)
+            else:
+                gen.seed()
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        seq = SeqState(
+            request_id=req.request_id,
+            tokens=ids,
+            prompt_len=len(ids),
+            params=p,
+            stop_ids=frozenset(stop_ids),
+            extra_keys=dict(req.extra_keys or {}),
+            want_logits=req.return_logits,
+            generator=gen,
+        )
+        if self.tokenizer is not None:
+            seq.detok = Detokenizer(self.tokenizer, p.stop)
+        with self._id_lock:
+            if req.request_id in self._seqs:
+                raise InvalidArgument(f"request_id {req.request_id!r} is already running")
+            self._seqs[req.request_id] = seq
+        self._incoming.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a queued or running request (its pages are freed in the next step)."""
+        with self._id_lock:
+            known = request_id in self._seqs
+        if known:
+            self._aborts.append(request_id)
+        return known
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting) + len(self._incoming),
+            free_pages=self.cache.num_free,
+            total_pages=self.pool.num_pages,
+        )
+
+    # ------------------------------------------------------------ prefix reuse
+
+    def _extend_hashes(self, seq: SeqState) -> None:
+        ps = self.layout.page_size
+        while len(seq.hashes) < len(seq.tokens) // ps:
+            i = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else ROOT_PARENT
+            seq.hashes.append(
+                hash_page(
+                    parent,
+                    self._namespace,
+                    seq.tokens[i * ps : (i + 1) * ps],
+                    seq.extra_keys.get(i, b""),
+                )
+            )
+
+    def _match_prefix(self, seq: SeqState) -> None:
+        """Reuse device pages, then connector pages, for the longest known prefix."""
+        self._extend_hashes(seq)
+        ps = self.layout.page_size
+        # At least one token must be computed to produce the next token's logits.
+        limit = min(len(seq.hashes), (len(seq.tokens) - 1) // ps)
+        pages = self.cache.match(seq.hashes[:limit])
+        device_hits = len(pages)
+        if self.connector is not None and len(pages) < limit and self.cache.enabled:
+            pages += self._fetch_from_connector(seq.hashes[len(pages) : limit])
+        seq.pages = pages
+        seq.num_computed = seq.registered = len(pages) * ps
+        seq.registered = len(pages)
+        if seq.num_output == 0:
+            seq.num_cached = seq.num_computed
+            self.stats.prompt_tokens += seq.prompt_len
+            self.stats.device_hit_tokens += device_hits * ps
+            self.stats.connector_hit_tokens += (len(pages) - device_hits) * ps
+
+    def _fetch_from_connector(self, hashes: list[bytes]) -> list[int]:
+        assert self.connector is not None
+        try:
+            blobs = self.connector.fetch_pages(self.layout, hashes)[: len(hashes)]
+            want = self.layout.page_bytes
+            bad = next((i for i, b in enumerate(blobs) if len(b) != want), None)
+            if bad is not None:
+                raise ValueError(f"connector page {bad} has {len(blobs[bad])} bytes, want {want}")
+        except Exception as exc:  # any connector fault means recompute
+            self.stats.connector_failures += 1
+            log.warning("KV connector fetch failed, recomputing: %s", exc)
+            return []
+        if not blobs:
+            return []
+        pages = self.cache.allocate(len(blobs))
+        if pages is None:
+            return []
+        self.pool.import_pages(pages, blobs)
+        for page, h in zip(pages, hashes, strict=False):
+            self.cache.register(page, h)
+        return pages
+
+    def _register_full_pages(self, seq: SeqState, written: list[tuple[bytes, int]]) -> None:
+        full = seq.num_computed // self.layout.page_size
+        if full > seq.registered:
+            self._extend_hashes(seq)
+            for i in range(seq.registered, full):
+                if self.cache.register(seq.pages[i], seq.hashes[i]):
+                    written.append((seq.hashes[i], seq.pages[i]))
+            seq.registered = full
+
+    def _write_through(self, written: list[tuple[bytes, int]]) -> None:
+        if self.connector is None or not written:
+            return
+        try:
+            blobs = self.pool.export_pages([p for _, p in written])
+            self.connector.store_pages(self.layout, [h for h, _ in written], blobs)
+            self.stats.pages_written_through += len(written)
+        except Exception as exc:
+            self.stats.connector_failures += 1
+            log.warning("KV connector store failed (pages stay local): %s", exc)
+
+    def _publish_events(self) -> None:
+        ev = self.cache.drain_events()
+        if self.events is None or not (ev.stored or ev.removed):
+            return
+        try:
+            self.events.publish(self.layout, ev.stored, ev.removed)
+        except Exception as exc:
+            self.stats.event_failures += 1
+            log.warning("publishing block events failed: %s", exc)
+
+    # -------------------------------------------------------------------- step
+
+    def _drain(self, outputs: list[RequestOutput]) -> None:
+        while self._incoming:
+            self.scheduler.add(self._incoming.popleft())
+        while self._aborts:
+            rid = self._aborts.popleft()
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                outputs.append(self._finish(seq, "abort", (), ""))
+
+    def _finish(self, seq: SeqState, reason: str, new: tuple[int, ...], text: str) -> RequestOutput:
+        self.scheduler.remove(seq)
+        with self._id_lock:
+            self._seqs.pop(seq.request_id, None)
+        return self._output(seq, new, text, reason, None)
+
+    def _output(
+        self,
+        seq: SeqState,
+        new: tuple[int, ...],
+        text: str,
+        reason: str | None,
+        logits: torch.Tensor | None,
+    ) -> RequestOutput:
+        usage = Usage(seq.prompt_len, seq.num_cached, seq.num_output)
+        return RequestOutput(seq.request_id, new, text, reason is not None, reason, usage, logits)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step and forward; return the outputs it produced."""
+        outputs: list[RequestOutput] = []
+        self._drain(outputs)
+        scheduled = self.scheduler.schedule()
+        if scheduled:
+            self._run(scheduled, outputs)
+        self._publish_events()
+        return outputs
+
+    def _run(self, scheduled: list[ScheduledSeq], outputs: list[RequestOutput]) -> None:
+        ps = self.layout.page_size
+        inputs = []
+        for s in scheduled:
+            nc = s.seq.num_computed
+            inputs.append(
+                SeqInput(s.seq.tokens[nc : nc + s.num_tokens], nc, s.seq.pages, s.completes)
+            )
+        batch = build_batch(inputs, ps, self._device)
+        logits = self.model.forward(batch, self.pool)
+        self.stats.steps += 1
+        self.stats.batched_tokens += int(batch.input_ids.numel())
+        done = [s.seq for s in scheduled if s.completes]
+        written: list[tuple[bytes, int]] = []
+        for s in scheduled:
+            s.seq.num_computed += s.num_tokens
+            self._register_full_pages(s.seq, written)
+        self._write_through(written)
+        if not done:
+            return
+        seen = [
+            torch.tensor(sorted(set(q.tokens)), dtype=torch.long, device=self._device)
+            if q.params.repetition_penalty != 1.0
+            else None
+            for q in done
+        ]
+        tokens = sample(logits, [q.params for q in done], seen, [q.generator for q in done])
+        for row, (seq, tok) in enumerate(zip(done, tokens, strict=True)):
+            seq.tokens.append(tok)
+            self.stats.generated_tokens += 1
+            reason = None
+            stopped_by_text = seq.detok.add(tok) if seq.detok is not None else False
+            if tok in seq.stop_ids or stopped_by_text:
+                reason = "stop"
+            elif seq.num_output >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
+                reason = "length"
+            text = seq.detok.delta(final=reason is not None) if seq.detok is not None else ""
+            row_logits = logits[row : row + 1].cpu() if seq.want_logits else None
+            if reason is None:
+                outputs.append(self._output(seq, (tok,), text, None, row_logits))
+            else:
+                out = self._finish(seq, reason, (tok,), text)
+                outputs.append(out if row_logits is None else _with_logits(out, row_logits))
+
+    # ------------------------------------------------------------------- async
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream ``req``'s outputs; closing the iterator early aborts the request."""
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[req.request_id] = queue
+        try:
+            self.add_request(req)
+        except BaseException:
+            self._streams.pop(req.request_id, None)
+            raise
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not finished:
+                self.abort(req.request_id)
+
+    async def _run_loop(self) -> None:
+        while self.has_unfinished():
+            outputs = await asyncio.to_thread(self.step)
+            for out in outputs:
+                q = self._streams.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+
+
+def _with_logits(out: RequestOutput, logits: torch.Tensor) -> RequestOutput:
+    return RequestOutput(
+        out.request_id,
+        out.new_token_ids,
+        out.text_delta,
+        out.finished,
+        out.finish_reason,
+        out.usage,
+        logits,
+    )
