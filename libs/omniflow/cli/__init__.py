@@ -1,0 +1,1 @@
+"""The ``omniflow`` command line."""

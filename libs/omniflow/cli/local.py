@@ -1,0 +1,234 @@
+"""``omniflow up | status | down``: the whole topology as local processes on one machine.
+
+State lives in a run folder (``.omniflow/run`` under the current directory, or
+``OMNIFLOW_RUN_DIR``): ``state.json`` with every process started, ``logs/`` with one
+log per service, ``ready/`` where each service writes its address once SERVING.
+``down`` ends exactly the processes recorded there, by PID, after checking that each
+PID still runs the command that was started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from omniflow.cli.topology import Topology
+from omniflow.localredis import start_redis
+from omniflow.rpc.client import check_health
+
+STATE = "state.json"
+
+
+@dataclass(slots=True)
+class Proc:
+    """One process ``up`` started."""
+
+    name: str
+    service: str
+    pid: int
+    log: str
+    address: str = ""
+    marker: str = ""  # a string its /proc/PID/cmdline must contain for ``down`` to end it
+
+
+def run_dir() -> Path:
+    return Path(os.environ.get("OMNIFLOW_RUN_DIR", ".omniflow/run")).resolve()
+
+
+def _alive(proc: Proc) -> bool:
+    try:
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    # A zombie has an empty cmdline: it is gone for our purposes.
+    return bool(cmdline) and proc.marker in cmdline
+
+
+def _load_state(folder: Path) -> tuple[list[Proc], dict[str, str]]:
+    path = folder / STATE
+    if not path.exists():
+        return [], {}
+    data = json.loads(path.read_text())
+    return [Proc(**p) for p in data["procs"]], data.get("env", {})
+
+
+def _save_state(folder: Path, procs: list[Proc], env: dict[str, str]) -> None:
+    tmp = folder / (STATE + ".tmp")
+    tmp.write_text(json.dumps({"procs": [asdict(p) for p in procs], "env": env}, indent=1))
+    tmp.replace(folder / STATE)
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _spawn(folder: Path, name: str, module: str, env: dict[str, str]) -> Proc:
+    log = folder / "logs" / f"{name}.log"
+    ready = folder / "ready" / f"{name}.json"
+    ready.unlink(missing_ok=True)
+    full_env = {
+        **os.environ,
+        **env,
+        "OMNIFLOW_READY_FILE": str(ready),
+        "OMNIFLOW_INSTANCE_ID": name,
+    }
+    with open(log, "ab") as out:
+        p = subprocess.Popen(
+            [sys.executable, "-m", f"omniflow_services.{module}"],
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # survives the CLI; ended by `omniflow down`
+        )
+    return Proc(name, module, p.pid, str(log), marker=f"omniflow_services.{module}")
+
+
+async def _wait_ready(folder: Path, proc: Proc, timeout_s: float) -> None:
+    ready = folder / "ready" / f"{proc.name}.json"
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if not _alive(proc):
+            raise RuntimeError(
+                f"{proc.name} exited during start; log {proc.log}:\n{_tail(proc.log)}"
+            )
+        if ready.exists():
+            proc.address = json.loads(ready.read_text())["address"]
+            if await check_health(proc.address) == "SERVING":
+                return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(
+        f"{proc.name} not SERVING after {timeout_s:.0f}s; log {proc.log}:\n{_tail(proc.log)}"
+    )
+
+
+def _plan(topology: Topology) -> list[tuple[str, str, dict[str, str]]]:
+    """(name, module, extra env) of every service process, in start order."""
+    plan: list[tuple[str, str, dict[str, str]]] = [
+        ("kv-index", "kv_index", {}),
+        ("kv-agent", "kv_agent", dict(topology.kv_agent_env)),
+        ("router", "router", {}),
+        ("coordinator", "coordinator", {}),
+    ]
+    for spec in topology.workers:
+        for i in range(spec.count):
+            env = {"OMNIFLOW_WORKER_ROLE": spec.role, **spec.env}
+            if spec.model:
+                env["OMNIFLOW_WORKER_MODEL"] = spec.model
+            plan.append((f"{spec.role}-{i + 1}", "worker", env))
+    return plan
+
+
+def print_table(procs: list[Proc], statuses: list[str]) -> None:
+    rows = [("SERVICE", "MODULE", "ADDRESS", "PID", "STATUS")]
+    rows += [
+        (p.name, p.service, p.address or "-", str(p.pid), s)
+        for p, s in zip(procs, statuses, strict=True)
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+async def _statuses(procs: list[Proc]) -> list[str]:
+    async def one(p: Proc) -> str:
+        if not _alive(p):
+            return "EXITED"
+        if not p.address:  # redis: alive is all we check
+            return "RUNNING"
+        return await check_health(p.address, timeout_s=1.0)
+
+    return list(await asyncio.gather(*(one(p) for p in procs)))
+
+
+async def up(topology: Topology, start_timeout_s: float = 120.0) -> int:
+    folder = run_dir()
+    procs, _ = _load_state(folder)
+    if any(_alive(p) for p in procs):
+        print(f"already running (run folder {folder}); `omniflow down` first", file=sys.stderr)
+        print_table(procs, await _statuses(procs))
+        return 1
+    for sub in ("logs", "ready", "redis"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    procs = []
+    env = {"OMNIFLOW_DISCOVERY": "redis", "OMNIFLOW_NODE_ID": topology.node}
+    try:
+        redis_url = os.environ.get("OMNIFLOW_REDIS_URL", "")
+        if not redis_url:
+            redis = start_redis(dir=folder / "redis")
+            redis_url = redis.url
+            procs.append(
+                Proc("redis", "redis-server", redis.pid, str(redis.log_path), marker="redis-server")
+            )
+            print(f"started redis-server (pid {redis.pid}) at {redis_url}")
+        env["OMNIFLOW_REDIS_URL"] = redis_url
+        for name, module, extra in _plan(topology):
+            proc = _spawn(folder, name, module, {**env, **extra})
+            procs.append(proc)
+            _save_state(folder, procs, env)
+            print(f"starting {name} (pid {proc.pid}) ...", flush=True)
+            await _wait_ready(folder, proc, start_timeout_s)
+    except Exception as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        _save_state(folder, procs, env)
+        stop_all(procs)
+        (folder / STATE).unlink(missing_ok=True)
+        return 1
+    _save_state(folder, procs, env)
+    print()
+    print_table(procs, await _statuses(procs))
+    print(f"\nlogs: {folder / 'logs'}   stop: omniflow down")
+    return 0
+
+
+def stop_all(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
+    """SIGTERM in reverse start order, then SIGKILL what outlives the grace period."""
+    live = [p for p in reversed(procs) if _alive(p)]
+    for p in live:
+        try:
+            os.kill(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        # Wait for each before the next: workers deregister while discovery still runs.
+        end = time.monotonic() + grace_s
+        while _alive(p) and time.monotonic() < end:
+            time.sleep(0.05)
+    killed = []
+    for p in live:
+        if _alive(p):
+            os.kill(p.pid, signal.SIGKILL)
+            killed.append(p.name)
+    return killed
+
+
+async def status() -> int:
+    procs, _ = _load_state(run_dir())
+    if not procs:
+        print(f"nothing is running (no state in {run_dir()})")
+        return 1
+    statuses = await _statuses(procs)
+    print_table(procs, statuses)
+    return 0 if all(s in ("SERVING", "RUNNING") for s in statuses) else 1
+
+
+def down() -> int:
+    folder = run_dir()
+    procs, _ = _load_state(folder)
+    if not procs:
+        print(f"nothing to stop (no state in {folder})")
+        return 0
+    killed = stop_all(procs)
+    for p in procs:
+        print(f"stopped {p.name} (pid {p.pid}){' with SIGKILL' if p.name in killed else ''}")
+    (folder / STATE).unlink(missing_ok=True)
+    return 0

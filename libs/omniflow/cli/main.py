@@ -1,0 +1,77 @@
+"""``omniflow``: run the local topology, make models, inspect settings."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from omniflow.errors import OmniflowError
+from omniflow.logsetup import setup_logging
+
+
+def _settings_table() -> str:
+    from omniflow.config import CommonSettings, settings_table
+    from omniflow_services.coordinator.config import CoordinatorSettings
+    from omniflow_services.kv_agent.config import KVAgentSettings
+    from omniflow_services.kv_index.config import KVIndexSettings
+    from omniflow_services.router.config import RouterSettings
+    from omniflow_services.worker.config import WorkerSettings
+
+    return settings_table(
+        CommonSettings,
+        RouterSettings,
+        CoordinatorSettings,
+        KVIndexSettings,
+        KVAgentSettings,
+        WorkerSettings,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omniflow", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_up = sub.add_parser("up", help="start the local topology and wait until it is healthy")
+    p_up.add_argument("--topology", type=Path, help="topology YAML (default: two llm workers)")
+    p_up.add_argument("--timeout", type=float, default=120.0, help="seconds per service start")
+    sub.add_parser("status", help="show the local topology")
+    sub.add_parser("down", help="stop everything `omniflow up` started")
+    sub.add_parser("settings", help="print every setting as a Markdown table")
+    p_models = sub.add_parser("models", help="model utilities")
+    p_models.add_argument("args", nargs=argparse.REMAINDER, help="e.g. make-tiny --arch qwen2 ...")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging("omniflow", "WARNING")
+    try:
+        if args.command == "up":
+            from omniflow.cli import local
+            from omniflow.cli.topology import load_topology
+
+            return asyncio.run(local.up(load_topology(args.topology), args.timeout))
+        if args.command == "status":
+            from omniflow.cli import local
+
+            return asyncio.run(local.status())
+        if args.command == "down":
+            from omniflow.cli import local
+
+            return local.down()
+        if args.command == "settings":
+            print(_settings_table())
+            return 0
+        if args.command == "models":
+            from omniflow.models.cli import main as models_main
+
+            return models_main(args.args)
+    except OmniflowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The local topology file read by ``omniflow up``.
+
+A YAML file::
+
+    node: local                 # node id shared by every process (one machine)
+    kv_agent: {host_bytes: 268435456}
+    workers:
+      - {role: llm, count: 2}
+      - {role: encoder, count: 1, model: /path/to/model}
+      - {role: llm, count: 1, env: {OMNIFLOW_WORKER_DTYPE: bfloat16}}
+
+``model`` is a model folder, or ``tiny:<arch>`` for a small random model that
+``omniflow up`` generates on first start (under the run folder's ``models/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from omniflow.errors import InvalidArgument
+
+ROLES = ("llm", "encoder", "diffusion", "talker")
+
+DEFAULT_TOPOLOGY = """\
+node: local
+workers:
+  - {role: llm, count: 2}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    role: str
+    count: int = 1
+    model: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    node: str = "local"
+    workers: tuple[WorkerSpec, ...] = ()
+    kv_agent_env: dict[str, str] = field(default_factory=dict)
+
+
+def _str_env(where: str, raw: Any) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidArgument(f"{where}: expected a mapping of variable → value")
+    return {str(k): str(v) for k, v in raw.items()}
+
+
+def parse_topology(text: str, source: str = "<topology>") -> Topology:
+    """Parse and validate a topology; errors name the file and the entry."""
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise InvalidArgument(f"{source}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{source}: expected a mapping at the top level")
+    unknown = set(data) - {"node", "workers", "kv_agent"}
+    if unknown:
+        raise InvalidArgument(
+            f"{source}: unknown keys {sorted(unknown)}; accepted: node, workers, kv_agent"
+        )
+    workers = []
+    for i, entry in enumerate(data.get("workers") or []):
+        where = f"{source}: workers[{i}]"
+        if not isinstance(entry, dict):
+            raise InvalidArgument(f"{where}: expected a mapping")
+        extra = set(entry) - {"role", "count", "model", "env"}
+        if extra:
+            raise InvalidArgument(f"{where}: unknown keys {sorted(extra)}")
+        role = entry.get("role")
+        if role not in ROLES:
+            raise InvalidArgument(f"{where}: role {role!r} is not one of {', '.join(ROLES)}")
+        count = entry.get("count", 1)
+        if not isinstance(count, int) or count < 0:
+            raise InvalidArgument(f"{where}: count must be an integer ≥ 0, got {count!r}")
+        workers.append(
+            WorkerSpec(
+                role, count, str(entry.get("model") or ""), _str_env(where, entry.get("env"))
+            )
+        )
+    agent = data.get("kv_agent") or {}
+    if not isinstance(agent, dict):
+        raise InvalidArgument(f"{source}: kv_agent must be a mapping")
+    agent_env = {f"OMNIFLOW_KV_{k.upper()}": str(v) for k, v in agent.items()}
+    return Topology(str(data.get("node", "local")), tuple(workers), agent_env)
+
+
+def load_topology(path: Path | None) -> Topology:
+    if path is None:
+        return parse_topology(DEFAULT_TOPOLOGY, "default topology")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read topology file {path}: {exc}") from None
+    return parse_topology(text, str(path))
