@@ -4,7 +4,8 @@ No gRPC here: the edge converts messages to the dataclasses below and maps the d
 errors. Every multi-key operation is one Lua script (EVALSHA), so each call is one round
 trip and atomic.
 
-Key layout (``P`` = the prefix, default ``of:kv:``; ``ns`` and ``hash`` are raw 16 bytes):
+Key layout (``P`` = the prefix, default ``of:kv:``; ``hash`` is a raw 16-byte block hash,
+which already mixes in its namespace, so the namespace is checked here, not stored per block):
 
 =============================  =========================================================
 ``P run``                      string: run id, written once per Redis data set. Missing
@@ -16,10 +17,10 @@ Key layout (``P`` = the prefix, default ``of:kv:``; ``ns`` and ``hash`` are raw 
                                lease_ms, n0/n1/n2 (blocks held per tier in this epoch)
 ``P l:<owner>``                string: the live epoch, with a TTL of lease_ms (the lease)
 ``P owners``                   set of registered owner ids
-``P b:<ns><hash>``             hash: owner id → ``epoch * 4 + tier``. An entry counts only
+``P b:<hash>``                 hash: owner id → ``epoch * 4 + tier``. An entry counts only
                                while its epoch equals the owner's lease value, so a dead
                                or restarted owner is ignored at once, before cleanup.
-``P s:<owner>:<epoch>``        set of ``<ns><hash>`` the owner holds in that epoch
+``P s:<owner>:<epoch>``        hash: ``<hash>`` → tier, what the owner holds in that epoch
 ``P gc``                       list of ``<owner>\\n<epoch>``: block sets of past epochs and
                                dead owners, removed chunk by chunk by ``sweep``
 ``P nblocks``                  counter of ``b:`` keys (includes not-yet-swept entries)
@@ -394,7 +395,7 @@ class KVIndex:
         await self.layout(namespace)
         if not hashes:
             return MatchResult(0, ())
-        rows = await self._run("match", [self._p, namespace, b"".join(hashes)])
+        rows = await self._run("match", [self._p, b"".join(hashes)])
         owners = [
             OwnerMatch(
                 owner_id=r[0].decode(),

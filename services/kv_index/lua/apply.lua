@@ -29,7 +29,7 @@ for off = 1, #data, 34 do
   local kind = string.byte(data, off)
   n = n + 1
   if kind == 2 then
-    for _, m in ipairs(redis.call('SMEMBERS', set)) do
+    for _, m in ipairs(redis.call('HKEYS', set)) do
       local bk = bpre .. m
       redis.call('HDEL', bk, owner)
       if redis.call('HLEN', bk) == 0 then dblocks = dblocks - 1 end
@@ -38,7 +38,8 @@ for off = 1, #data, 34 do
     redis.call('HSET', okey, 'n0', 0, 'n1', 0, 'n2', 0)
     d = {0, 0, 0}
   else
-    local m = string.sub(data, off + 2, off + 33)
+    -- Block hashes already mix in the namespace, so the hash alone names a block.
+    local m = string.sub(data, off + 18, off + 33)
     local bk = bpre .. m
     local old = redis.call('HGET', bk, owner)
     if kind == 0 then
@@ -56,14 +57,14 @@ for off = 1, #data, 34 do
         if redis.call('HLEN', bk) == 1 then dblocks = dblocks + 1 end
         d[tier + 1] = d[tier + 1] + 1
       end
-      redis.call('SADD', set, m)
+      redis.call('HSET', set, m, tier)
     elseif old then
       local ov = tonumber(old)
       if math.floor(ov / 4) == epoch then
         redis.call('HDEL', bk, owner)
         if redis.call('HLEN', bk) == 0 then dblocks = dblocks - 1 end
         d[ov % 4 + 1] = d[ov % 4 + 1] - 1
-        redis.call('SREM', set, m)
+        redis.call('HDEL', set, m)
       end
     end
   end

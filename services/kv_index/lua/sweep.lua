@@ -21,7 +21,8 @@ if g then
   local nl = string.find(g, '\n', 1, true)
   local o, e = string.sub(g, 1, nl - 1), tonumber(string.sub(g, nl + 1))
   local set = P .. 's:' .. o .. ':' .. string.sub(g, nl + 1)
-  local members = redis.call('SPOP', set, chunk)
+  local members = redis.call('HRANDFIELD', set, chunk)
+  if #members > 0 then redis.call('HDEL', set, unpack(members)) end
   for _, m in ipairs(members) do
     local bk = P .. 'b:' .. m
     local v = redis.call('HGET', bk, o)
