@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import MakeTiny, TinyModel, greedy, run_all
 
-from omniflow_services.worker.engine import MemoryConnector
-from tests.worker.conftest import MakeTiny, TinyModel, greedy, run_all
+from omniflow_services.worker.engine import GenerateRequest, MemoryConnector, SamplingParams
 
 
 def test_full_prefill(tiny: TinyModel) -> None:
@@ -130,3 +130,18 @@ def test_rope_scaling(tiny_factory: MakeTiny, kind: str) -> None:
         assert not torch.allclose(rotary.inv_freq, plain)
     res = run_all(engine, [greedy("a", prompt, 8)])["a"]
     tiny.check(prompt, res)
+
+
+def test_repetition_penalty_matches_transformers(tiny: TinyModel) -> None:
+    prompt = tiny.prompt(24, seed=9) + [40] * 8
+    params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.5, ignore_eos=True)
+    res = run_all(tiny.engine(), [GenerateRequest("a", tuple(prompt), params=params)])["a"]
+    ref = tiny.hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=12,
+        do_sample=False,
+        repetition_penalty=1.5,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    assert res.tokens == ref[0, len(prompt) :].tolist()

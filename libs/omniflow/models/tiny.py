@@ -68,7 +68,9 @@ def _init_weights(
         return 1.0 + 0.1 * torch.randn(n, generator=gen)
 
     w: dict[str, torch.Tensor] = {}
-    w["model.embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen)
+    # Small embeddings: with tied weights, logits = norm(h) . E stay O(1) and the layers,
+    # not the residual copy of the input token, decide the next token.
+    w["model.embed_tokens.weight"] = 0.25 * torch.randn(vocab, hidden, generator=gen)
     for i in range(layers):
         p = f"model.layers.{i}."
         w[p + "self_attn.q_proj.weight"] = linear(heads * head_dim, hidden)
@@ -86,7 +88,7 @@ def _init_weights(
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
     w["model.norm.weight"] = norm(hidden)
     if not tie:
-        w["lm_head.weight"] = 2.0 * linear(vocab, hidden)
+        w["lm_head.weight"] = 0.25 * torch.randn(vocab, hidden, generator=gen)
     target = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     return {k: v.to(target).contiguous() for k, v in w.items()}
 
