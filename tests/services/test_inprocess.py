@@ -1,0 +1,161 @@
+"""In-process gRPC tests (port 0): one trace across client → coordinator → router →
+worker, the router's view of workers, and bad arguments getting INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from omniflow import telemetry
+from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
+from omniflow.config import load_settings
+from omniflow.rpc.client import open_channel
+from omniflow.rpc.server import ServiceHost
+from omniflow_services.coordinator.config import CoordinatorSettings
+from omniflow_services.coordinator.server import CoordinatorApp
+from omniflow_services.router.config import RouterSettings
+from omniflow_services.router.server import RouterApp
+from omniflow_services.worker.config import WorkerSettings
+from omniflow_services.worker.server import WorkerApp
+
+EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tracing() -> None:
+    telemetry.setup_tracing("omniflow-tests", exporter=EXPORTER)
+
+
+def _settings(cls, redis_url: str, **extra):
+    base = load_settings(cls, env={})
+    return dataclasses.replace(
+        base, redis_url=redis_url, port=0, metrics_port=-1, registration_ttl_s=2.0, **extra
+    )
+
+
+@pytest.fixture
+async def cluster(private_redis) -> AsyncIterator[dict[str, ServiceHost]]:
+    hosts: dict[str, ServiceHost] = {}
+    url = private_redis.url
+    try:
+        for name, app in [
+            ("llm", WorkerApp(_settings(WorkerSettings, url, instance_id="llm-0", role="llm"))),
+            ("enc", WorkerApp(_settings(WorkerSettings, url, instance_id="enc-0", role="encoder"))),
+            ("router", RouterApp(_settings(RouterSettings, url, instance_id="router-0"))),
+            ("coord", CoordinatorApp(_settings(CoordinatorSettings, url, instance_id="coord-0"))),
+        ]:
+            hosts[name] = ServiceHost(app, app.settings)
+            await hosts[name].start()
+        yield hosts
+    finally:
+        for host in reversed(list(hosts.values())):
+            await host.stop()
+
+
+async def test_one_trace_from_client_through_coordinator_and_router(cluster):
+    EXPORTER.clear()
+    tracer = telemetry.tracer()
+    async with open_channel(cluster["coord"].address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        with tracer.start_as_current_span("client-request") as root:
+            reply = await stub.GetCluster(coordinator_pb2.GetClusterRequest())
+    assert dict(reply.workers_per_role) == {"llm": 1, "encoder": 1}
+    assert all(w.healthy for w in reply.workers)
+
+    trace_id = root.get_span_context().trace_id
+    spans = [s for s in EXPORTER.get_finished_spans() if s.context.trace_id == trace_id]
+    by_id = {s.context.span_id: s for s in spans}
+    names = [(s.name, s.kind) for s in spans]
+    coord_method = "/omniflow.api.coordinator.v1.CoordinatorService/GetCluster"
+    router_method = "/omniflow.api.router.v1.RouterService/ListWorkers"
+    load_method = "/omniflow.api.worker.v1.WorkerService/GetLoad"
+    for method in (coord_method, router_method):
+        assert (method, trace.SpanKind.CLIENT) in names
+        assert (method, trace.SpanKind.SERVER) in names
+    assert names.count((load_method, trace.SpanKind.SERVER)) == 2
+
+    def chain(span) -> list[str]:
+        out = []
+        while span is not None:
+            out.append(f"{span.kind.name}:{span.name.rsplit('/', 1)[-1]}")
+            span = by_id.get(span.parent.span_id) if span.parent else None
+        return out
+
+    worker_server = next(s for s in spans if s.name == load_method)
+    # Every hop is a child of the one before: connected, not merely the same trace id.
+    assert chain(worker_server) == [
+        "SERVER:GetLoad",
+        "CLIENT:GetLoad",
+        "SERVER:ListWorkers",
+        "CLIENT:ListWorkers",
+        "SERVER:GetCluster",
+        "CLIENT:GetCluster",
+        "INTERNAL:client-request",
+    ]
+
+
+async def test_router_lists_and_picks_live_workers(cluster):
+    async with open_channel(cluster["router"].address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        llm = await stub.ListWorkers(router_pb2.ListWorkersRequest(role="llm"))
+        assert [w.worker_id for w in llm.workers] == ["llm-0"]
+        assert llm.workers[0].operations == ["generate"]
+        picked = await stub.Pick(router_pb2.PickRequest(role="encoder"))
+        assert picked.worker.worker_id == "enc-0"
+        assert picked.strategy == router_pb2.STRATEGY_ROUND_ROBIN
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Pick(router_pb2.PickRequest(role="diffusion"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "no live worker of role 'diffusion'" in err.value.details()
+
+
+async def test_unknown_argument_gets_invalid_argument_with_what_is_accepted(cluster):
+    async with open_channel(cluster["router"].address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Pick(router_pb2.PickRequest(role="llm", strategy=42))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "unknown strategy 42; accepted: STRATEGY_ROUND_ROBIN" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Pick(router_pb2.PickRequest(role=""))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "role is required" in err.value.details()
+
+
+async def test_later_capabilities_answer_unimplemented_naming_them(cluster):
+    async with open_channel(cluster["coord"].address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.SubmitRun(coordinator_pb2.SubmitRunRequest(workflow="x"))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "workflow registration and runs" in err.value.details()
+        listed = await stub.ListWorkflows(coordinator_pb2.ListWorkflowsRequest())
+        assert list(listed.workflows) == []
+
+
+async def test_outgoing_calls_inside_a_handler_get_what_is_left_of_its_deadline():
+    import time
+
+    from opentelemetry.trace import INVALID_SPAN
+
+    from omniflow.rpc import interceptors
+
+    client = interceptors.ClientInterceptor(default_timeout_s=10.0)
+    details = grpc.aio.ClientCallDetails("/x.Y/Z", None, None, None, None)
+    # Outside a handler: the channel's default deadline.
+    assert client._details(details, INVALID_SPAN).timeout == 10.0
+    token = interceptors._DEADLINE.set(time.monotonic() + 0.25)
+    try:
+        inside = client._details(details, INVALID_SPAN).timeout
+        explicit = client._details(details._replace(timeout=0.1), INVALID_SPAN).timeout
+    finally:
+        interceptors._DEADLINE.reset(token)
+    assert 0 < inside <= 0.25  # what is left of the handler's own deadline
+    assert explicit == 0.1  # a sooner deadline of the caller's own wins
