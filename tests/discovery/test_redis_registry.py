@@ -9,15 +9,16 @@ import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from discovery_helpers import ids, next_until
+from discovery_helpers import EVENTUALLY_S, ids, next_until
 
 from omniflow.discovery import DiscoveryError, ServiceInstance, make_registry
 from omniflow.discovery.redis_backend import RedisRegistry
 from omniflow.errors import InvalidArgument
-from omniflow.localredis import RedisProcess
+from omniflow.localredis import RedisProcess, start_redis
 
 
 @pytest.fixture
@@ -228,3 +229,44 @@ def test_service_instance_value_semantics() -> None:
         ServiceInstance("worker", "w-0", "h:1", {"n": 1})  # type: ignore[dict-item]
     with pytest.raises(InvalidArgument, match="instance id"):
         ServiceInstance("worker", "w:0", "h:1")
+
+
+async def test_close_ends_watches(registry: RedisRegistry) -> None:
+    watch = registry.watch("worker")
+    assert await anext(watch) == []
+    pending = asyncio.ensure_future(anext(watch))
+    await asyncio.sleep(0)  # let the watch block on its subscription
+    await registry.close()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(pending, EVENTUALLY_S)
+
+
+async def test_survives_redis_restart(tmp_path: Path) -> None:
+    """A watch and a refresher ride out a Redis restart (all data lost) on the same port."""
+    first = start_redis(dir=tmp_path / "a")
+    port, second = first.port, None
+    try:
+        async with RedisRegistry(first.url, poll_interval_s=0.1, timeout_s=1) as reg:
+            await reg.register(inst("worker", "w-0"), ttl_s=0.6)
+            async with contextlib.aclosing(reg.watch("worker")) as watch:
+                assert ids(await anext(watch)) == ["w-0"]
+                first.stop()
+                second = start_redis(port=port, dir=tmp_path / "b")
+                # The new server starts empty; the refresher writes w-0 back and the
+                # watch, after failing while Redis was down, lists it again.
+                assert ids(await registry_list_eventually(reg, "worker")) == ["w-0"]
+                await reg.deregister("w-0")
+                await next_until(watch, lambda listing: listing == [])
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+async def registry_list_eventually(reg: RedisRegistry, service: str) -> list[ServiceInstance]:
+    """Poll ``list`` until non-empty; each call must succeed (the client retries reconnects)."""
+    for _ in range(round(EVENTUALLY_S / 0.05)):
+        if listing := await reg.list(service):
+            return listing
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{service} stayed empty")

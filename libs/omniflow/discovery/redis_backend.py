@@ -33,6 +33,9 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from omniflow.discovery.base import (
@@ -97,6 +100,10 @@ class RedisRegistry(Registry):
             decode_responses=True,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
+            # After a Redis restart every pooled connection is stale once: reconnect and
+            # retry. All our writes are idempotent, so a retry cannot do harm.
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+            retry_on_error=[RedisConnectionError],
         )
         self._list_script = self._redis.register_script(_LIST_SCRIPT)
         self._registered: dict[str, tuple[ServiceInstance, float]] = {}
