@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +23,17 @@ from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind, Tier
 from omniflow.localredis import start_redis
 from omniflow_services.kv_index.core import KVIndex, OwnerInfo
+
+
+def redis_benchmark_set(port: int, n: int, pipeline: int) -> float | None:
+    """SET requests/s by redis-benchmark (C client), or None when it is not installed."""
+    exe = shutil.which("redis-benchmark")
+    if exe is None:
+        return None
+    cmd = [exe, "-p", str(port), "-t", "set", "-n", str(n), "-P", str(pipeline), "-q"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    found = re.search(r"SET: ([\d.]+) requests per second", out)
+    return float(found.group(1)) if found else None
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -67,6 +81,9 @@ async def run(blocks: int, owners: int, iters: int, events: int, batch: int) -> 
             await pipe.execute()
         set_rate = events / (time.perf_counter() - t)
         await client.aclose()
+        # The literal `redis-benchmark -t set` (50 clients, no pipelining), and pipelined.
+        bench_plain = redis_benchmark_set(server.port, events, 1)
+        bench_piped = redis_benchmark_set(server.port, events, batch)
 
     rows = [
         ("MatchPrefix p50 (ms)", statistics.median(match) * 1e3, statistics.median(ping) * 1e3),
@@ -78,7 +95,11 @@ async def run(blocks: int, owners: int, iters: int, events: int, batch: int) -> 
         f"{events} events in batches of {batch}"
     )
     print(f"{'metric':<26}{'omniflow':>14}{'reference':>14}{'ratio':>9}   reference")
-    refs = ["PING", "PING", "pipelined SET"]
+    refs = ["PING", "PING", "pipelined SET, same client"]
+    for rate, ref in ((bench_plain, "redis-benchmark -t set"), (bench_piped, f"... -P {batch}")):
+        if rate:
+            rows.append(("event ingest (events/s)", ingest, rate))
+            refs.append(ref)
     for (name, ours, ref), refname in zip(rows, refs, strict=True):
         print(f"{name:<26}{ours:>14.3f}{ref:>14.3f}{ours / ref:>9.2f}   {refname}")
 

@@ -23,7 +23,6 @@ which already mixes in its namespace, so the namespace is checked here, not stor
 ``P s:<owner>:<epoch>``        hash: ``<hash>`` → tier, what the owner holds in that epoch
 ``P gc``                       list of ``<owner>\\n<epoch>``: block sets of past epochs and
                                dead owners, removed chunk by chunk by ``sweep``
-``P nblocks``                  counter of ``b:`` keys (includes not-yet-swept entries)
 =============================  =========================================================
 
 Protocol for an owner: ``register_owner`` → (epoch, seq 0) → ``snapshot`` of what it
@@ -150,6 +149,9 @@ class MatchResult:
 
 @dataclass(frozen=True, slots=True)
 class IndexStats:
+    """``blocks`` counts (owner, block) entries of live owners: a block two owners hold
+    counts twice. ``pending_garbage``: block sets of past epochs not yet swept."""
+
     live_owners: int
     registered_owners: int
     blocks: int
@@ -412,11 +414,11 @@ class KVIndex:
 
     @_unavailable_on_redis_error
     async def stats(self) -> IndexStats:
-        live, reg, blocks, t0, t1, t2, nns, gc = await self._run("stats", [self._p])
+        live, reg, t0, t1, t2, nns, gc = await self._run("stats", [self._p])
         return IndexStats(
             live_owners=int(live),
             registered_owners=int(reg),
-            blocks=int(blocks),
+            blocks=int(t0) + int(t1) + int(t2),
             blocks_per_tier={"device": int(t0), "host": int(t1), "ssd": int(t2)},
             namespaces=int(nns),
             pending_garbage=int(gc),

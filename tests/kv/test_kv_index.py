@@ -42,6 +42,11 @@ async def index(redis_server: RedisProcess) -> AsyncIterator[KVIndex]:
         await client.aclose()
 
 
+async def block_keys(idx: KVIndex) -> int:
+    """How many per-block keys exist in Redis (stale ones included)."""
+    return len([k async for k in idx._r.scan_iter(match=idx._p + b"b:*", count=1000)])
+
+
 def stored(hashes: list[bytes], tier: Tier = Tier.HOST) -> list[BlockEvent]:
     return [BlockEvent(EventKind.STORED, NS, h, tier) for h in hashes]
 
@@ -100,12 +105,14 @@ async def test_events_sequence_gap_and_removal(index: KVIndex) -> None:
     assert (await index.match_prefix(NS, CHAIN)).owners == ()
     await index.sweep()
     assert (await index.stats()).blocks == 0
+    assert await block_keys(index) == 0
 
 
 async def test_reregistration_hides_old_entries_and_sweep_removes_them(index: KVIndex) -> None:
     await owner(index, "a", CHAIN[:20])
     await owner(index, "b", CHAIN[:3])
-    assert (await index.stats()).blocks == 20
+    assert (await index.stats()).blocks == 23
+    assert await block_keys(index) == 20
     # "a" restarts: its new epoch holds nothing until its snapshot.
     lease = await index.register_owner(OwnerInfo("a", "n", "a:2"))
     res = await index.match_prefix(NS, CHAIN)
@@ -113,6 +120,7 @@ async def test_reregistration_hides_old_entries_and_sweep_removes_them(index: KV
     swept = await index.sweep()
     assert swept.entries_removed == 20 and swept.pending_garbage == 0
     assert (await index.stats()).blocks == 3
+    assert await block_keys(index) == 3
     # The re-announced blocks count again.
     await index.snapshot("a", lease.epoch, [BlockEntry(NS, h, Tier.SSD) for h in CHAIN[:4]])
     res = await index.match_prefix(NS, CHAIN)
@@ -136,6 +144,7 @@ async def test_expired_lease_is_ignored_then_swept(index: KVIndex) -> None:
     assert swept.owners_dropped == 1 and swept.entries_removed == 6
     stats = await index.stats()
     assert (stats.live_owners, stats.registered_owners, stats.blocks) == (1, 1, 2)
+    assert await block_keys(index) == 2
     assert (await index.heartbeat("short", lease.epoch + 1)).status == LeaseStatus.UNKNOWN_OWNER
 
 
@@ -154,6 +163,7 @@ async def test_deregister(index: KVIndex) -> None:
     assert (await index.match_prefix(NS, CHAIN)).owners == ()
     await index.sweep()
     assert (await index.stats()).blocks == 0
+    assert await block_keys(index) == 0
 
 
 async def test_bad_requests(index: KVIndex) -> None:

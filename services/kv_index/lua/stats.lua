@@ -1,5 +1,5 @@
 -- Counts for monitoring. ARGV: prefix
--- Returns {live owners, registered owners, blocks, device, host, ssd, namespaces, garbage sets}
+-- Returns {live owners, registered owners, device, host, ssd, namespaces, garbage sets}
 local P = ARGV[1]
 local live, t0, t1, t2 = 0, 0, 0, 0
 for _, o in ipairs(redis.call('SMEMBERS', P .. 'owners')) do
@@ -11,5 +11,4 @@ for _, o in ipairs(redis.call('SMEMBERS', P .. 'owners')) do
     t2 = t2 + (tonumber(c[3]) or 0)
   end
 end
-return {live, redis.call('SCARD', P .. 'owners'), tonumber(redis.call('GET', P .. 'nblocks') or 0),
-  t0, t1, t2, redis.call('HLEN', P .. 'ns'), redis.call('LLEN', P .. 'gc')}
+return {live, redis.call('SCARD', P .. 'owners'), t0, t1, t2, redis.call('HLEN', P .. 'ns'), redis.call('LLEN', P .. 'gc')}

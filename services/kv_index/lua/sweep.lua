@@ -15,7 +15,7 @@ for _, o in ipairs(redis.call('SMEMBERS', P .. 'owners')) do
     dropped = dropped + 1
   end
 end
-local removed, dblocks = 0, 0
+local removed = 0
 local g = redis.call('LINDEX', P .. 'gc', 0)
 if g then
   local nl = string.find(g, '\n', 1, true)
@@ -29,10 +29,8 @@ if g then
     if v and math.floor(tonumber(v) / 4) == e then
       redis.call('HDEL', bk, o)
       removed = removed + 1
-      if redis.call('HLEN', bk) == 0 then dblocks = dblocks - 1 end
     end
   end
   if redis.call('EXISTS', set) == 0 then redis.call('LPOP', P .. 'gc') end
 end
-if dblocks ~= 0 then redis.call('INCRBY', P .. 'nblocks', dblocks) end
 return {dropped, removed, redis.call('LLEN', P .. 'gc')}
