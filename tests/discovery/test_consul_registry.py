@@ -6,6 +6,7 @@ py-consul exactly as it would to a Consul agent.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 from consul_standin import ConsulStandIn
-from discovery_helpers import ids, next_until
+from discovery_helpers import EVENTUALLY_S, ids, next_until
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from omniflow.discovery import DiscoveryError, ServiceInstance, make_registry
@@ -173,3 +174,16 @@ def test_bad_options() -> None:
         ConsulRegistry("127.0.0.1:8500", check="http")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="bad consul address"):
         ConsulRegistry("ftp://127.0.0.1:8500")
+
+
+async def test_close_ends_watches(registry: ConsulRegistry) -> None:
+    watch = registry.watch("worker")
+    assert await anext(watch) == []
+    pending = asyncio.ensure_future(anext(watch))
+    await asyncio.sleep(0.1)  # let the watch start its blocking query
+    await registry.close()
+    # The query in flight ends within watch_wait_s; then the watch stops.
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(pending, EVENTUALLY_S)
+    with pytest.raises(DiscoveryError, match="closed"):
+        await registry.list("worker")

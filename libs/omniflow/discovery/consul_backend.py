@@ -2,7 +2,9 @@
 
 py-consul's asyncio client needs aiohttp, which Omni-Flow does not depend on,
 so every call runs the ``requests``-based client in a worker thread
-(``asyncio.to_thread``), bounded by the client's own timeout and an asyncio one.
+bounded by the client's own timeout and an asyncio one. Watches hold a thread
+each for the length of a blocking query, so they get a pool of their own and
+cannot starve the event loop's default executor.
 
 Each instance becomes a Consul service registration on the local agent:
 ``ID`` = instance id, ``Name`` = service, ``Address``/``Port`` from the
@@ -29,6 +31,7 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -120,6 +123,8 @@ class ConsulRegistry(Registry):
         self._client_lock = threading.Lock()
         self._registered: dict[str, tuple[ServiceInstance, float]] = {}
         self._refreshers: dict[str, asyncio.Task[None]] = {}
+        # Blocking queries park a thread for up to watch_wait_s each.
+        self._watch_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="consul-watch")
         self._closed = False
 
     def _new_client(self) -> consul.Consul:
@@ -140,6 +145,7 @@ class ConsulRegistry(Registry):
         *,
         lock: threading.Lock | None = None,
         extra_s: float = 0.0,
+        pool: ThreadPoolExecutor | None = None,
     ) -> T:
         """Run a blocking py-consul call in a thread, with a timeout and error mapping."""
         lock = lock or self._client_lock
@@ -151,7 +157,7 @@ class ConsulRegistry(Registry):
         try:
             # The client's own timeout ends the thread; this bound only adds slack.
             async with asyncio.timeout(self._timeout_s * 2 + extra_s + 1.0):
-                return await asyncio.to_thread(locked)
+                return await asyncio.get_running_loop().run_in_executor(pool, locked)
         except consul.ACLPermissionDenied as exc:
             raise DiscoveryError(
                 f"consul at {self._address}: {what}: ACL token rejected "
@@ -303,7 +309,10 @@ class ConsulRegistry(Registry):
         client, lock = self._new_client(), threading.Lock()
         wait_s = self._watch_wait_s
         index, last = await self._call(
-            f"watch {service}", lambda: self._health(client, service, None, None), lock=lock
+            f"watch {service}",
+            lambda: self._health(client, service, None, None),
+            lock=lock,
+            pool=self._watch_pool,
         )
         yield last
         backoff = 0.1
@@ -313,6 +322,7 @@ class ConsulRegistry(Registry):
                     f"watch {service}",
                     lambda index=index: self._health(client, service, index, wait_s),
                     lock=lock,
+                    pool=self._watch_pool,
                     extra_s=wait_s * 17 / 16,  # Consul adds up to wait/16 of jitter
                 )
             except DiscoveryError as exc:
@@ -341,3 +351,6 @@ class ConsulRegistry(Registry):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # A blocking query in flight cannot be interrupted; its thread ends by itself
+        # within watch_wait_s, and its watch stops at its next turn.
+        self._watch_pool.shutdown(wait=False, cancel_futures=True)
