@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""Container health probe: exit 0 when the local service answers SERVING, else 1.
+
+Installed in every image as ``omniflow-healthcheck``. It calls the standard
+``grpc.health.v1.Health/Check`` on ``ADDRESS`` (default ``127.0.0.1:$OMNIFLOW_PORT``)
+for the overall server status (service name ""), so a service that is still starting
+(NOT_SERVING until registered) or shutting down counts as unhealthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def check(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
+    """One health check; returns (healthy, what was seen)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            return False, f"{exc.code().name}: {exc.details()}"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "address", nargs="?", default=None, help="host:port; default 127.0.0.1:$OMNIFLOW_PORT"
+    )
+    parser.add_argument("--service", default="", help='health service name; "" = whole server')
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait")
+    args = parser.parse_args(argv)
+    address = args.address
+    if address is None:
+        port = os.environ.get("OMNIFLOW_PORT", "")
+        if not port.isdigit() or int(port) == 0:
+            print(f"OMNIFLOW_PORT={port!r}: a fixed port is needed to probe", file=sys.stderr)
+            return 1
+        address = f"127.0.0.1:{port}"
+    healthy, seen = check(address, args.service, args.timeout)
+    print(f"{address}: {seen}", file=sys.stdout if healthy else sys.stderr)
+    return 0 if healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
