@@ -149,6 +149,13 @@ class SsdFile:
         if got != self.page_bytes:
             raise DataLoss(f"short read of page slot {slot}: {got} of {self.page_bytes} bytes")
 
+    def prefetch(self, slots: list[int]) -> None:
+        """Ask the kernel to start reading these pages now (async readahead)."""
+        for slot in slots:
+            os.posix_fadvise(
+                self._fd, self._page_offset(slot), self.page_bytes, os.POSIX_FADV_WILLNEED
+            )
+
     def sync(self) -> None:
         os.fsync(self._fd)
 
@@ -223,6 +230,22 @@ class SsdTier:
                 f"ssd page {key[16:].hex()} failed its checksum "
                 f"(stored {page.checksum:016x}, read {got:016x}); dropped"
             )
+
+    def read_many(
+        self, keys: list[bytes], outs: list[np.ndarray | memoryview | bytearray]
+    ) -> list[bytes]:
+        """Read several pages, prefetching them all first so the device works in parallel.
+
+        Returns the keys that failed their checksum (dropped); the others are in ``outs``.
+        """
+        self.file.prefetch([self._pages[k].slot for k in keys])
+        failed = []
+        for key, out in zip(keys, outs, strict=True):
+            try:
+                self.read_into(key, out)
+            except DataLoss:
+                failed.append(key)
+        return failed
 
     def remove(self, key: bytes, force: bool = False) -> SsdPage:
         page = self._pages[key]
