@@ -297,6 +297,38 @@ class TieredStore:
             self._emit(key, Tier.SSD)
             return PageHandle(namespace, block_hash, slot, checksum, True)
 
+    def acquire_chain(self, namespace: bytes, hashes: list[bytes]) -> list[PageHandle]:
+        """Pin the leading run of ``hashes`` this agent holds (SSD pages prefetched, then
+        promoted). Stops at the first miss, checksum failure, or when host is full of pinned
+        pages; the caller releases every handle returned.
+        """
+        keys = [_key(namespace, h) for h in hashes]
+        out: list[PageHandle] = []
+        with self._lock:
+            if self.ssd is not None:
+                slots = []
+                for k in keys:
+                    if k in self.host:
+                        continue
+                    page = self.ssd.get(k, touch=False)
+                    if page is None:
+                        break
+                    slots.append(page.slot)
+                self.ssd.file.prefetch(slots)
+            for h in hashes:
+                try:
+                    handle = self.acquire(namespace, h)
+                except DataLoss:
+                    break
+                except ResourceExhausted:
+                    if not out:
+                        raise
+                    break
+                if handle is None:
+                    break
+                out.append(handle)
+        return out
+
     def release(self, handle: PageHandle) -> None:
         with self._lock:
             page = self.host.get(_key(handle.namespace, handle.block_hash), touch=False)

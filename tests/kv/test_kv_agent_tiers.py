@@ -190,3 +190,35 @@ def test_ssd_restart_reannounces_and_detects_corruption(arena: HostArena, tmp_pa
         arena2.unlink()
     with pytest.raises(FailedPrecondition, match="pages of"):
         SsdFile.open(tmp_path / "pages.bin", PAGE, 5)
+
+
+def test_acquire_chain_promotes_and_stops_at_first_miss(arena: HostArena, tmp_path: Path) -> None:
+    store = make_store(arena, tmp_path, ssd_pages=4)
+    for i in range(4):
+        store.put(NS, h(i), page(i))  # 0, 1 on SSD; 2, 3 in host
+    store.remove(NS, h(3))
+    store.drain_events()
+    handles = store.acquire_chain(NS, [h(0), h(1), h(2), h(3), h(4)])
+    # Host holds 2 pages: 0 promoted, then 1 needs room but 0 is pinned, so 2 (unpinned)
+    # is demoted; then 2 needs room again and everything is pinned: the chain stops there.
+    assert [hd.block_hash for hd in handles] == [h(0), h(1)]
+    assert [arena.view(hd.slot).tobytes() for hd in handles] == [page(0), page(1)]
+    for hd in handles:
+        store.release(hd)
+    assert [hd.block_hash for hd in store.acquire_chain(NS, [h(5)])] == []
+    assert store.stats().misses == 1
+
+
+def test_ssd_read_many_reports_corrupt_pages(tmp_path: Path) -> None:
+    ssd = SsdTier(SsdFile.open(tmp_path / "p.bin", PAGE, 4))
+    for i in range(3):
+        ssd.write(NS + h(i), page(i), page_checksum(page(i)))
+    slot = ssd.get(NS + h(1), touch=False).slot  # type: ignore[union-attr]
+    fd = os.open(tmp_path / "p.bin", os.O_RDWR)
+    os.pwrite(fd, b"\x00" * 8, ssd.file.data_offset + slot * ssd.file.stride)
+    os.close(fd)
+    outs = [bytearray(PAGE) for _ in range(3)]
+    assert ssd.read_many([NS + h(i) for i in range(3)], outs) == [NS + h(1)]
+    assert bytes(outs[0]) == page(0) and bytes(outs[2]) == page(2)
+    assert NS + h(1) not in ssd
+    ssd.file.close()
