@@ -12,23 +12,27 @@ which already mixes in its namespace, so the namespace is checked here, not stor
                                means Redis lost its data: namespaces are rewritten from
                                the core's cache and owners learn it as "unknown owner".
 ``P ns``                       hash: namespace hex → KVLayout as JSON
-``P e:<owner>``                counter: the owner's epoch (INCR; monotonic per owner id)
-``P o:<owner>``                hash: epoch, seq (last applied batch), node, address, kind,
-                               lease_ms, n0/n1/n2 (blocks held per tier in this epoch)
-``P l:<owner>``                string: the live epoch, with a TTL of lease_ms (the lease)
+``P e:<owner>``                counter: the owner's epoch (INCR at each registration)
+``P g:<owner>``                counter: the owner's generation (INCR at each registration
+                               and each snapshot); entries are tagged with it
+``P o:<owner>``                hash: epoch, gen, seq (last applied batch), node, address,
+                               kind, lease_ms, n0/n1/n2 (blocks held per tier in this gen)
+``P l:<owner>``                string: the live generation, with a TTL of lease_ms (the lease)
 ``P owners``                   set of registered owner ids
-``P b:<hash>``                 hash: owner id → ``epoch * 4 + tier``. An entry counts only
-                               while its epoch equals the owner's lease value, so a dead
-                               or restarted owner is ignored at once, before cleanup.
-``P s:<owner>:<epoch>``        hash: ``<hash>`` → tier, what the owner holds in that epoch
-``P gc``                       list of ``<owner>\\n<epoch>``: block sets of past epochs and
+``P b:<hash>``                 hash: owner id → ``gen * 4 + tier``. An entry counts only
+                               while its gen equals the owner's lease value, so a dead,
+                               restarted or re-snapshotted owner's old entries are ignored
+                               at once, before cleanup.
+``P s:<owner>:<gen>``          hash: ``<hash>`` → tier, what the owner holds in that gen
+``P gc``                       list of ``<owner>\\n<gen>``: block sets of past generations and
                                dead owners, removed chunk by chunk by ``sweep``
 =============================  =========================================================
 
 Protocol for an owner: ``register_owner`` → (epoch, seq 0) → ``snapshot`` of what it
-holds (a new epoch) → ``apply_events`` with seq 1, 2, … and ``heartbeat`` within the lease.
-A gap in seq asks for a snapshot; an unknown owner or stale epoch (lease lapsed, Redis
-restarted, or another process took the id) asks for a re-registration and a snapshot.
+holds → ``apply_events`` with seq 1, 2, … and ``heartbeat`` within the lease. A gap in seq
+asks for a snapshot (same epoch; the snapshot names the seq it is consistent with); an
+unknown owner or stale epoch (lease lapsed, Redis restarted, or another process registered
+the id) asks for a re-registration and a snapshot.
 """
 
 from __future__ import annotations
@@ -92,6 +96,16 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
+class SnapshotResult:
+    """The owner's set was replaced; its next batch carries ``next_seq``."""
+
+    owner_id: str
+    epoch: int
+    next_seq: int
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class HeartbeatResult:
     status: LeaseStatus
     run_id: str
@@ -113,6 +127,11 @@ class EventsResult:
     @property
     def ok(self) -> bool:
         return self.status == LeaseStatus.OK
+
+    @property
+    def expected_seq(self) -> int:
+        """The seq the next batch must carry."""
+        return self.last_seq + 1
 
     @property
     def snapshot_required(self) -> bool:
@@ -358,15 +377,20 @@ class KVIndex:
         return result
 
     @_unavailable_on_redis_error
-    async def snapshot(self, owner_id: str, epoch: int, entries: Sequence[BlockEntry]) -> Lease:
-        """Replace everything the owner holds; returns the new epoch (next batch: seq 1).
+    async def snapshot(
+        self, owner_id: str, epoch: int, entries: Sequence[BlockEntry], seq: int = 0
+    ) -> SnapshotResult:
+        """Replace everything the owner holds; ``seq`` is the last batch it is consistent with.
 
-        Raises FailedPrecondition when the epoch is stale or the owner unknown: re-register.
+        The epoch stays; the next batch carries ``seq + 1``. Raises FailedPrecondition when
+        the epoch is stale or the owner unknown: register again, then snapshot.
         """
         _check_owner_id(owner_id)
+        if seq < 0:
+            raise InvalidArgument(f"seq must be >= 0, got {seq}")
         events = [BlockEvent(EventKind.STORED, e.namespace, e.block_hash, e.tier) for e in entries]
         await self._check_namespaces(e.namespace for e in entries)
-        status, new_epoch = await self._run("snapshot_begin", [self._p, owner_id, epoch])
+        status, _ = await self._run("snapshot_begin", [self._p, owner_id, epoch, seq])
         if status != LeaseStatus.OK:
             raise FailedPrecondition(
                 f"owner {owner_id} epoch {epoch} is not current ({LeaseStatus(status).name}); "
@@ -374,13 +398,12 @@ class KVIndex:
             )
         for i in range(0, len(events), _SNAPSHOT_CHUNK):
             chunk = pack_events(events[i : i + _SNAPSHOT_CHUNK])
-            status, _, _ = await self._run("apply", [self._p, owner_id, new_epoch, "S", 0, chunk])
+            status, _, _ = await self._run("apply", [self._p, owner_id, epoch, "S", 0, chunk])
             if status != LeaseStatus.OK:
                 raise FailedPrecondition(
                     f"owner {owner_id} lost its lease during the snapshot; register again"
                 )
-        lease_ms = int(await self._r.hget(self._p + b"o:" + owner_id.encode(), "lease_ms") or 0)
-        return Lease(owner_id, int(new_epoch), lease_ms, self._run_id)
+        return SnapshotResult(owner_id, epoch, seq + 1, len(events))
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -488,6 +511,7 @@ __all__ = [
     "OwnerInfo",
     "OwnerKind",
     "OwnerMatch",
+    "SnapshotResult",
     "SweepResult",
     "pack_events",
     "validate_layout",

@@ -93,14 +93,20 @@ async def test_events_sequence_gap_and_removal(index: KVIndex) -> None:
     assert r.status == LeaseStatus.SEQUENCE_GAP and r.last_seq == 3 and r.snapshot_required
     assert not r.reregister_required
     assert (await index.stats()).blocks == 4
-    # The snapshot replaces the whole set and starts a new epoch.
-    lease = await index.snapshot("a", epoch, [BlockEntry(NS, h, Tier.HOST) for h in CHAIN[:8]])
-    assert lease.epoch > epoch
-    stale = await index.apply_events("a", epoch, 1, stored(CHAIN[8:9]))
+    # The snapshot replaces the whole set; it is consistent with batch 3, so next is 4.
+    snap = await index.snapshot("a", epoch, [BlockEntry(NS, h, Tier.HOST) for h in CHAIN[:8]], 3)
+    assert (snap.epoch, snap.next_seq, snap.blocks) == (epoch, 4, 8)
+    assert (await index.match_prefix(NS, CHAIN)).owners[0].blocks_per_tier == (0, 8, 0)
+    r = await index.apply_events("a", epoch, 4, stored(CHAIN[8:9]))
+    assert r.ok and r.expected_seq == 5
+    stale = await index.apply_events("a", epoch - 1, 5, stored(CHAIN[9:10]))
     assert stale.status == LeaseStatus.STALE_EPOCH and stale.reregister_required
-    assert (await index.match_prefix(NS, CHAIN)).longest_prefix == 8
+    assert (await index.match_prefix(NS, CHAIN)).longest_prefix == 9
+    # The old generation's entries were all re-stored by the snapshot: the sweep keeps them.
+    assert (await index.sweep()).entries_removed == 0
+    assert await block_keys(index) == 9
     # Cleared drops everything.
-    r = await index.apply_events("a", lease.epoch, 1, [BlockEvent(EventKind.CLEARED)])
+    r = await index.apply_events("a", epoch, 5, [BlockEvent(EventKind.CLEARED)])
     assert r.ok
     assert (await index.match_prefix(NS, CHAIN)).owners == ()
     await index.sweep()
@@ -138,19 +144,20 @@ async def test_expired_lease_is_ignored_then_swept(index: KVIndex) -> None:
     await asyncio.sleep(0.5)
     res = await index.match_prefix(NS, CHAIN)
     assert [o.owner_id for o in res.owners] == ["long"]
-    hb = await index.heartbeat("short", lease.epoch + 1)
+    hb = await index.heartbeat("short", lease.epoch)
     assert hb.status == LeaseStatus.STALE_EPOCH and hb.reregister_required
     swept = await index.sweep()
     assert swept.owners_dropped == 1 and swept.entries_removed == 6
     stats = await index.stats()
     assert (stats.live_owners, stats.registered_owners, stats.blocks) == (1, 1, 2)
     assert await block_keys(index) == 2
-    assert (await index.heartbeat("short", lease.epoch + 1)).status == LeaseStatus.UNKNOWN_OWNER
+    assert (await index.heartbeat("short", lease.epoch)).status == LeaseStatus.UNKNOWN_OWNER
 
 
 async def test_heartbeat_keeps_lease(index: KVIndex) -> None:
     lease = await index.register_owner(OwnerInfo("hb", "n", "h:1"), lease_ms=400)
-    epoch = (await index.snapshot("hb", lease.epoch, [BlockEntry(NS, CHAIN[0], Tier.HOST)])).epoch
+    await index.snapshot("hb", lease.epoch, [BlockEntry(NS, CHAIN[0], Tier.HOST)])
+    epoch = lease.epoch
     for _ in range(4):
         await asyncio.sleep(0.2)
         assert (await index.heartbeat("hb", epoch)).status == LeaseStatus.OK

@@ -6,25 +6,26 @@
 -- 2 stale epoch or lapsed lease, 3 sequence gap (last seq = what the index has).
 local P, owner, epoch_s, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local okey = P .. 'o:' .. owner
-local cur = redis.call('HMGET', okey, 'epoch', 'seq', 'lease_ms')
+local cur = redis.call('HMGET', okey, 'epoch', 'seq', 'lease_ms', 'gen')
 if not cur[1] then
   return {1, 0, 0}
 end
 local lkey = P .. 'l:' .. owner
-if cur[1] ~= epoch_s or redis.call('GET', lkey) ~= epoch_s then
+if cur[1] ~= epoch_s or redis.call('GET', lkey) ~= cur[4] then
   return {2, tonumber(cur[2]), 0}
 end
 local seq = tonumber(ARGV[5])
 if mode == 'E' and seq ~= tonumber(cur[2]) + 1 then
   return {3, tonumber(cur[2]), 0}
 end
-local epoch = tonumber(epoch_s)
-local set = P .. 's:' .. owner .. ':' .. epoch_s
+-- Entries are tagged with the generation (bumped by register and by snapshot).
+local gen = tonumber(cur[4])
+local set = P .. 's:' .. owner .. ':' .. cur[4]
 local bpre = P .. 'b:'
 local d = {0, 0, 0}
 local data = ARGV[6]
 local n = 0
--- The owner's per-epoch hash is the truth for what it holds; the block's hash mirrors it.
+-- The owner's per-generation hash is the truth for what it holds; the block's hash mirrors it.
 -- The common case (a block new to this owner) costs two commands: HSETNX and HSET.
 for off = 1, #data, 34 do
   local kind = string.byte(data, off)
@@ -42,13 +43,13 @@ for off = 1, #data, 34 do
     if kind == 0 then
       local tier = string.byte(data, off + 1)
       if redis.call('HSETNX', set, m, tier) == 1 then
-        redis.call('HSET', bpre .. m, owner, epoch * 4 + tier)
+        redis.call('HSET', bpre .. m, owner, gen * 4 + tier)
         d[tier + 1] = d[tier + 1] + 1
       else
         local old = tonumber(redis.call('HGET', set, m))
         if old ~= tier then
           redis.call('HSET', set, m, tier)
-          redis.call('HSET', bpre .. m, owner, epoch * 4 + tier)
+          redis.call('HSET', bpre .. m, owner, gen * 4 + tier)
           d[old + 1] = d[old + 1] - 1
           d[tier + 1] = d[tier + 1] + 1
         end

@@ -3,8 +3,8 @@
 -- is already mixed into every block hash.
 -- Returns one row per live owner holding the first block:
 -- {owner, matched, blocks in device, host, ssd tier, node, address, kind}
--- Candidates come from the first block's owners whose entry epoch equals their live lease;
--- each candidate's run is then read from its own per-epoch hash with HMGET in growing
+-- Candidates come from the first block's owners whose entry generation equals their live
+-- lease value; each candidate's run is then read from its own per-generation hash with HMGET in growing
 -- chunks (few commands whatever the chain length, early stop at the first miss).
 local P, h = ARGV[1], ARGV[2]
 local n = #h / 16

@@ -1,4 +1,4 @@
--- Register (or re-register) an owner: a new epoch, a fresh lease, sequence 0.
+-- Register (or re-register) an owner: a new epoch and generation, a fresh lease, sequence 0.
 -- ARGV: prefix, owner, node, address, kind, lease_ms, candidate run id
 -- Returns {epoch, run id, 1 if the run marker had to be created (empty or new Redis) else 0}
 local P, owner = ARGV[1], ARGV[2]
@@ -10,15 +10,16 @@ if not run then
   created = 1
 end
 local okey = P .. 'o:' .. owner
-local old = redis.call('HGET', okey, 'epoch')
+local old = redis.call('HGET', okey, 'gen')
 if old then
-  -- The previous epoch's block set becomes garbage; the sweep removes its entries.
+  -- The previous generation's block set becomes garbage; the sweep removes its entries.
   redis.call('RPUSH', P .. 'gc', owner .. '\n' .. old)
 end
 local epoch = redis.call('INCR', P .. 'e:' .. owner)
+local gen = redis.call('INCR', P .. 'g:' .. owner)
 redis.call('DEL', okey)
-redis.call('HSET', okey, 'epoch', epoch, 'seq', 0, 'node', ARGV[3], 'address', ARGV[4],
-  'kind', ARGV[5], 'lease_ms', ARGV[6], 'n0', 0, 'n1', 0, 'n2', 0)
-redis.call('SET', P .. 'l:' .. owner, epoch, 'PX', ARGV[6])
+redis.call('HSET', okey, 'epoch', epoch, 'gen', gen, 'seq', 0, 'node', ARGV[3],
+  'address', ARGV[4], 'kind', ARGV[5], 'lease_ms', ARGV[6], 'n0', 0, 'n1', 0, 'n2', 0)
+redis.call('SET', P .. 'l:' .. owner, gen, 'PX', ARGV[6])
 redis.call('SADD', P .. 'owners', owner)
 return {epoch, run, created}

@@ -1,14 +1,14 @@
 -- One bounded step of cleanup.
 -- 1. Owners whose lease lapsed are dropped; their current block set becomes garbage.
 -- 2. Up to `chunk` members of the oldest garbage set are removed from their blocks
---    (only entries of that set's epoch: a newer epoch may hold the same block again).
+--    (only entries of that set's generation: a newer one may hold the same block again).
 -- ARGV: prefix, chunk, owner to drop now ('' for none: a graceful deregistration)
 -- Returns {owners dropped, entries removed, garbage sets left}
 local P, chunk, drop = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local dropped = 0
 for _, o in ipairs(redis.call('SMEMBERS', P .. 'owners')) do
   if o == drop or redis.call('EXISTS', P .. 'l:' .. o) == 0 then
-    local e = redis.call('HGET', P .. 'o:' .. o, 'epoch')
+    local e = redis.call('HGET', P .. 'o:' .. o, 'gen')
     if e then redis.call('RPUSH', P .. 'gc', o .. '\n' .. e) end
     redis.call('DEL', P .. 'o:' .. o, P .. 'l:' .. o)
     redis.call('SREM', P .. 'owners', o)
