@@ -3,15 +3,17 @@
 Tracing follows the standard ``OTEL_*`` variables: ``OTEL_SDK_DISABLED`` turns it off,
 ``OTEL_SERVICE_NAME`` names the service, ``OTEL_TRACES_EXPORTER`` picks ``otlp`` (the
 default when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``..._TRACES_ENDPOINT`` is set),
-``console`` or ``none`` (the default otherwise: spans are still created and propagated,
-so a downstream service that does export keeps the trace connected). The W3C
-``traceparent`` header carries the context across every gRPC hop.
+``console`` or ``none`` (the default otherwise: no span is recorded here, but the
+caller's context still passes through to every downstream call, so a service that does
+export keeps the trace connected). The W3C ``traceparent`` header carries the context
+across every gRPC hop.
 
 Metrics are Prometheus counters and histograms served on an HTTP port per service.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import MutableMapping
@@ -65,11 +67,16 @@ def _exporter_from_env() -> SpanExporter | None:
     )
 
 
-def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> TracerProvider | None:
+def setup_tracing(
+    service_name: str, exporter: SpanExporter | None = None, *, record: bool | None = None
+) -> TracerProvider | None:
     """Install the process's tracer provider once; later calls return the same one.
 
-    ``exporter`` overrides the environment (tests pass an in-memory exporter, which is
-    exported synchronously so that a test sees every span as soon as it ends).
+    ``exporter`` overrides the environment (tests pass an in-memory exporter, exported
+    synchronously so that a test sees every span as soon as it ends). With no exporter
+    at all, no SDK is installed unless ``record`` is true: spans are then the API's
+    non-recording ones, which still carry the caller's context to every downstream
+    call, so a trace stays connected through this process at a fraction of the cost.
     """
     global _provider
     if _provider is not None:
@@ -78,19 +85,23 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> Tr
         return _provider
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
-    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
-    provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    processor: SpanProcessor | None
+    processor: SpanProcessor | None = None
     if exporter is not None:
         processor = SimpleSpanProcessor(exporter)
     else:
         env_exporter = _exporter_from_env()
-        processor = BatchSpanProcessor(env_exporter) if env_exporter else None
+        if env_exporter is not None:
+            processor = BatchSpanProcessor(env_exporter)
+    if processor is None and not record:
+        log.debug("no trace exporter configured: propagating context only")
+        return None
+    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
     if processor is not None:
         provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
     _provider = provider
-    log.debug("tracing set up for %s (exporter: %s)", name, type(processor).__name__)
+    log.debug("tracing set up for %s (%s)", name, type(processor).__name__)
     return provider
 
 
@@ -101,7 +112,10 @@ def shutdown_tracing(timeout_s: float = 5.0) -> None:
         _provider.shutdown()
 
 
+@functools.cache
 def tracer() -> trace.Tracer:
+    """The project's tracer. Cached: get_tracer costs microseconds on every call, and the
+    proxy it returns before a provider is installed follows the provider installed later."""
     return trace.get_tracer(TRACER_NAME)
 
 

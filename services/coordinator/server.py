@@ -11,6 +11,7 @@ from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.errors import Unavailable
 from omniflow.rpc.client import open_channel
+from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import error_from_rpc, unimplemented_servicer
 from omniflow_services.coordinator.config import CoordinatorSettings
@@ -67,7 +68,7 @@ class CoordinatorApp(ServiceApp):
         self.settings = settings
         self.runtime: Runtime | None = None
         self._redis: aioredis.Redis | None = None
-        self._router: tuple[str, grpc.aio.Channel] | None = None
+        self._router: tuple[str, TracedChannel] | None = None
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(

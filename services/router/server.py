@@ -13,6 +13,7 @@ from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.convert import strategy_name, strategy_value, worker_info
 from omniflow.rpc.client import open_channel
+from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import unimplemented
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
@@ -65,7 +66,7 @@ class RouterApp(ServiceApp):
         self.settings = settings
         self.table = WorkerTable()
         self._watch: asyncio.Task[None] | None = None
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, TracedChannel] = {}
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self), server)

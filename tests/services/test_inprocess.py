@@ -143,19 +143,17 @@ async def test_later_capabilities_answer_unimplemented_naming_them(cluster):
 async def test_outgoing_calls_inside_a_handler_get_what_is_left_of_its_deadline():
     import time
 
-    from opentelemetry.trace import INVALID_SPAN
-
     from omniflow.rpc import interceptors
 
-    client = interceptors.ClientInterceptor(default_timeout_s=10.0)
-    details = grpc.aio.ClientCallDetails("/x.Y/Z", None, None, None, None)
+    channel = interceptors.TracedChannel(None, default_timeout_s=10.0, max_in_flight=None)  # type: ignore[arg-type]
     # Outside a handler: the channel's default deadline.
-    assert client._details(details, INVALID_SPAN).timeout == 10.0
+    assert channel.call_options("/x.Y/Z", None, None)[1] == 10.0
     token = interceptors._DEADLINE.set(time.monotonic() + 0.25)
     try:
-        inside = client._details(details, INVALID_SPAN).timeout
-        explicit = client._details(details._replace(timeout=0.1), INVALID_SPAN).timeout
+        _, inside, metadata = channel.call_options("/x.Y/Z", None, (("k", "v"),))
+        explicit = channel.call_options("/x.Y/Z", 0.1, None)[1]
     finally:
         interceptors._DEADLINE.reset(token)
     assert 0 < inside <= 0.25  # what is left of the handler's own deadline
     assert explicit == 0.1  # a sooner deadline of the caller's own wins
+    assert metadata[0] == ("k", "v") and metadata[1][0] == "traceparent"

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omniflow.rpc.interceptors import ClientInterceptor
+from omniflow.rpc.interceptors import TracedChannel
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -52,17 +52,14 @@ def open_channel(
     default_timeout_s: float = 10.0,
     max_in_flight: int | None = 256,
     idempotent: Iterable[str] = (),
-) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel with the project's interceptor and options."""
+) -> TracedChannel:
+    """An insecure grpc.aio channel with deadlines, tracing and bounds (see TracedChannel)."""
     options: list[tuple[str, int | str]] = list(CLIENT_OPTIONS)
     config = _retry_config(idempotent)
     if config:
         options.append(("grpc.service_config", config))
-    return grpc.aio.insecure_channel(
-        address,
-        options=options,
-        interceptors=[ClientInterceptor(default_timeout_s, max_in_flight)],
-    )
+    channel = grpc.aio.insecure_channel(address, options=options)
+    return TracedChannel(channel, default_timeout_s, max_in_flight)
 
 
 async def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> str:

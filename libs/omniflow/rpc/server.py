@@ -28,7 +28,7 @@ from omniflow.config import CommonSettings, settings_from_argv
 from omniflow.discovery import Registry, ServiceInstance, make_registry
 from omniflow.logsetup import setup_logging
 from omniflow.rpc.client import MAX_MESSAGE_BYTES
-from omniflow.rpc.interceptors import ServerInterceptor
+from omniflow.rpc.interceptors import WrappingServer
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,6 @@ class ServiceHost:
         self.settings = settings
         self.registry = registry or registry_from_settings(settings)
         self.server = grpc.aio.server(
-            interceptors=[ServerInterceptor()],
             options=SERVER_OPTIONS,
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
         )
@@ -118,7 +117,9 @@ class ServiceHost:
     async def start(self) -> str:
         """Bind, start serving (NOT_SERVING), start the app, register, turn SERVING."""
         s = self.settings
-        self._service_names = self.app.add_servicers(self.server)
+        wrapping = WrappingServer(self.server)
+        self._service_names = self.app.add_servicers(wrapping)  # type: ignore[arg-type]
+        wrapping.finish()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*self._service_names, "grpc.health.v1.Health", reflection.SERVICE_NAME], self.server
