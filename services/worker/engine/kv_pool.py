@@ -1,9 +1,12 @@
 """The device KV pool: one tensor of pages the engine allocates itself.
 
-Shape ``[num_pages, 2, num_layers, num_kv_heads, page_size, head_dim]``: one page is a
-contiguous block in exactly the byte order of a page on the wire (K then V, layer-major,
-then head, token, dim; native little-endian elements of ``KVLayout.dtype``), so export and
-import are a single copy. Per-layer K and V are strided views of the same storage.
+Storage is ``[2, num_layers, num_kv_heads, num_pages, page_size, head_dim]`` (head-major):
+gathering a request's pages for one layer yields ``[heads, pages, page_size, dim]``, which
+is already the ``[heads, tokens, dim]`` shape attention wants, with no second copy.
+
+A page on the wire (export/import) is in the KVLayout byte order
+``[2 (K, V), num_layers, num_kv_heads, page_size, head_dim]`` of native little-endian
+``KVLayout.dtype`` elements; export and import convert with one gather/scatter.
 """
 
 from __future__ import annotations
@@ -28,17 +31,19 @@ class KVPool:
         self.num_pages = num_pages
         self.dtype = TORCH_DTYPES[layout.dtype]
         self.device = torch.device(device)
-        self.data = torch.zeros(
-            num_pages,
+        # empty + zero_ touches every page now, not on the first request (no lazy faults).
+        # Zeros matter: masked attention still multiplies unused slots by 0 (NaN would leak).
+        self.data = torch.empty(
             2,
             layout.num_layers,
             layout.num_kv_heads,
+            num_pages,
             layout.page_size,
             layout.head_dim,
             dtype=self.dtype,
             device=self.device,
-        )
-        self._layers = [(self.data[:, 0, i], self.data[:, 1, i]) for i in range(layout.num_layers)]
+        ).zero_()
+        self._layers = [(self.data[0, i], self.data[1, i]) for i in range(layout.num_layers)]
 
     @staticmethod
     def pages_for_bytes(layout: KVLayout, budget_bytes: int) -> int:
@@ -46,7 +51,7 @@ class KVPool:
         return max(1, budget_bytes // layout.page_bytes)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views of one layer, each ``[num_pages, kv_heads, page_size, head_dim]``."""
+        """K and V of one layer, each contiguous ``[kv_heads, num_pages, page_size, head_dim]``."""
         return self._layers[index]
 
     def export_pages(self, pages: list[int]) -> list[bytes]:
@@ -54,7 +59,8 @@ class KVPool:
         if not pages:
             return []
         idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        host = self.data.index_select(0, idx).cpu().contiguous()
+        # [2, L, H, n, P, D] -> [n, 2, L, H, P, D]
+        host = self.data.index_select(3, idx).permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
         flat = host.view(torch.uint8).reshape(len(pages), -1).numpy()
         return [flat[i].tobytes() for i in range(len(pages))]
 
@@ -69,6 +75,8 @@ class KVPool:
         if not pages:
             return
         raw = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
-        tensor = raw.view(self.dtype).reshape((len(pages), *self.data.shape[1:]))
+        lay = self.layout
+        shape = (len(pages), 2, lay.num_layers, lay.num_kv_heads, lay.page_size, lay.head_dim)
+        tensor = raw.view(self.dtype).reshape(shape).permute(1, 2, 3, 0, 4, 5)
         idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        self.data.index_copy_(0, idx, tensor.to(self.device))
+        self.data.index_copy_(3, idx, tensor.to(self.device))

@@ -171,8 +171,9 @@ class DecoderModel:
             k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = pool.layer(li)
-            k_cache[batch.slot_pages, :, batch.slot_offsets] = k
-            v_cache[batch.slot_pages, :, batch.slot_offsets] = v
+            # caches are [H, pages, P, D]; k/v are [T, H, D]
+            k_cache[:, batch.slot_pages, batch.slot_offsets] = k.transpose(0, 1)
+            v_cache[:, batch.slot_pages, batch.slot_offsets] = v.transpose(0, 1)
             attn = self._attention(q, batch, k_cache, v_cache)
             h = h + F.linear(attn.reshape(-1, self.q_size), lw.o_w)
             x = _rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
@@ -191,17 +192,19 @@ class DecoderModel:
         if batch.decode_rows is not None:
             assert batch.decode_pages is not None
             b = batch.decode_pages.shape[0]
-            # [B, pages, H, P, D] -> [B, H, pages*P, D]
-            kk = k_cache[batch.decode_pages].permute(0, 2, 1, 3, 4).reshape(b, kvh, -1, hd)
-            vv = v_cache[batch.decode_pages].permute(0, 2, 1, 3, 4).reshape(b, kvh, -1, hd)
+            flat = batch.decode_pages.view(-1)
+            # index_select (about 2x faster than advanced indexing) gives [H, B*pages, P, D];
+            # viewed as [B, H, pages*P, D] without a second copy.
+            kk = k_cache.index_select(1, flat).view(kvh, b, -1, hd).transpose(0, 1)
+            vv = v_cache.index_select(1, flat).view(kvh, b, -1, hd).transpose(0, 1)
             qq = q.index_select(0, batch.decode_rows)[:, :, None, :]
             o = F.scaled_dot_product_attention(
                 qq, kk, vv, attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True
             )
             out.index_copy_(0, batch.decode_rows, o[:, :, 0, :])
         for p in batch.prefills:
-            kk = k_cache[p.pages].permute(1, 0, 2, 3).reshape(kvh, -1, hd)[None]
-            vv = v_cache[p.pages].permute(1, 0, 2, 3).reshape(kvh, -1, hd)[None]
+            kk = k_cache.index_select(1, p.pages).view(kvh, -1, hd)[None]
+            vv = v_cache.index_select(1, p.pages).view(kvh, -1, hd)[None]
             qq = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
                 qq,
