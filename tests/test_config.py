@@ -52,3 +52,15 @@ def test_settings_table_lists_every_variable_once() -> None:
         "CONSUL_HTTP_ADDR",
     ):
         assert table.count(f"`{var}`") == 1
+
+
+def test_readme_settings_table_matches_the_code() -> None:
+    from pathlib import Path
+
+    from omniflow.cli.main import readme_with_settings
+
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    text = readme.read_text()
+    assert text == readme_with_settings(text), (
+        "README.md's settings table is out of date: run `omniflow settings --write README.md`"
+    )

@@ -29,6 +29,22 @@ def _settings_table() -> str:
     )
 
 
+BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
+
+
+def readme_with_settings(text: str) -> str:
+    """``text`` with the settings table between its markers replaced by the current one."""
+    head, sep, rest = text.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise OmniflowError(f"no {BEGIN} ... {END} markers found")
+    return f"{head}{BEGIN}\n{_settings_table()}\n{END}{tail}"
+
+
+def write_settings_table(path: Path) -> None:
+    path.write_text(readme_with_settings(path.read_text()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omniflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_up.add_argument("--timeout", type=float, default=120.0, help="seconds per service start")
     sub.add_parser("status", help="show the local topology")
     sub.add_parser("down", help="stop everything `omniflow up` started")
-    sub.add_parser("settings", help="print every setting as a Markdown table")
+    p_set = sub.add_parser("settings", help="print every setting as a Markdown table")
+    p_set.add_argument(
+        "--write", type=Path, help="replace the table between the settings markers of FILE"
+    )
     p_models = sub.add_parser("models", help="model utilities")
     p_models.add_argument("args", nargs=argparse.REMAINDER, help="e.g. make-tiny --arch qwen2 ...")
     return parser
@@ -61,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return local.down()
         if args.command == "settings":
-            print(_settings_table())
+            if args.write:
+                write_settings_table(args.write)
+            else:
+                print(_settings_table())
             return 0
         if args.command == "models":
             from omniflow.models.cli import main as models_main
