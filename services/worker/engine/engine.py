@@ -89,7 +89,7 @@ class Engine:
         self._incoming: deque[SeqState] = deque()
         self._aborts: deque[str] = deque()
         self._id_lock = threading.Lock()
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         log.info(
             "engine ready: %s, %d KV pages of %d tokens",
@@ -215,9 +215,10 @@ class Engine:
         if self.connector is not None and len(pages) < limit and self.cache.enabled:
             pages += self._fetch_from_connector(seq.hashes[len(pages) : limit])
         seq.pages = pages
-        seq.num_computed = seq.registered = len(pages) * ps
+        seq.num_computed = len(pages) * ps
         seq.registered = len(pages)
-        if seq.num_output == 0:
+        if not seq.matched_once:  # count a request once, not again after a preemption
+            seq.matched_once = True
             seq.num_cached = seq.num_computed
             self.stats.prompt_tokens += seq.prompt_len
             self.stats.device_hit_tokens += device_hits * ps
@@ -311,6 +312,7 @@ class Engine:
         if scheduled:
             self._run(scheduled, outputs)
         self._publish_events()
+        self.stats.preemptions = self.scheduler.num_preemptions
         return outputs
 
     def _run(self, scheduled: list[ScheduledSeq], outputs: list[RequestOutput]) -> None:
@@ -361,7 +363,7 @@ class Engine:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Stream ``req``'s outputs; closing the iterator early aborts the request."""
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[req.request_id] = queue
         try:
             self.add_request(req)
@@ -374,6 +376,9 @@ class Engine:
         try:
             while not finished:
                 out = await queue.get()
+                if isinstance(out, BaseException):
+                    finished = True  # the engine already dropped the request
+                    raise out
                 finished = out.finished
                 yield out
         finally:
@@ -381,9 +386,23 @@ class Engine:
             if not finished:
                 self.abort(req.request_id)
 
+    def _fail_all(self, exc: Exception) -> None:
+        """Drop every request (pages released) and hand ``exc`` to their streams."""
+        for seq in list(self._seqs.values()):
+            self._finish(seq, "abort", (), "")
+            q = self._streams.get(seq.request_id)
+            if q is not None:
+                q.put_nowait(exc)
+        self._incoming.clear()
+
     async def _run_loop(self) -> None:
         while self.has_unfinished():
-            outputs = await asyncio.to_thread(self.step)
+            try:
+                outputs = await asyncio.to_thread(self.step)
+            except Exception as exc:  # a bug or a device fault: fail every stream, keep serving
+                log.exception("engine step failed; failing %d requests", len(self._seqs))
+                self._fail_all(exc)
+                continue
             for out in outputs:
                 q = self._streams.get(out.request_id)
                 if q is not None:

@@ -48,6 +48,7 @@ class SeqState:
     num_cached: int = 0
     registered: int = 0
     status: SeqStatus = SeqStatus.WAITING
+    matched_once: bool = False
     detok: Any = None
 
     @property

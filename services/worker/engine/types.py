@@ -71,3 +71,4 @@ class EngineStats:
     pages_written_through: int = 0
     connector_failures: int = 0
     event_failures: int = 0
+    preemptions: int = 0
