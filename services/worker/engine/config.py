@@ -97,7 +97,10 @@ class EngineConfig:
 
     ``num_pages`` sizes the device KV pool; when None, ``kv_cache_bytes`` decides it.
     ``max_num_batched_tokens`` is the per-step token budget that bounds chunked prefill;
-    ``max_num_seqs`` bounds how many requests run at once.
+    ``max_num_seqs`` bounds how many requests run at once. ``max_model_len`` caps the
+    context (default and upper bound: the model's ``max_position_embeddings``).
+    ``model_id`` names the model in the KV namespace (default: the folder's name); workers
+    that should share KV pages must agree on it.
     """
 
     dtype: str = "float32"

@@ -363,13 +363,10 @@ class Engine:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Stream ``req``'s outputs; closing the iterator early aborts the request."""
+        self.add_request(req)  # raises on bad input, before any stream exists
+        # No step output can arrive before this line: outputs are dispatched on this loop.
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[req.request_id] = queue
-        try:
-            self.add_request(req)
-        except BaseException:
-            self._streams.pop(req.request_id, None)
-            raise
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
         finished = False
