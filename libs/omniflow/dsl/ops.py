@@ -1,0 +1,100 @@
+"""Signatures of operations: the built-in roles' and those a user registers.
+
+The DSL checks node inputs and outputs against these when it builds a graph; the
+compiled graph carries the ports, so the coordinator validates without this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omniflow.errors import InvalidArgument
+from omniflow.values import VType
+
+
+@dataclass(frozen=True, slots=True)
+class OpSignature:
+    """Typed inputs and outputs of one operation of a role.
+
+    ``streams`` names the output whose partial values a Call streams (``text`` deltas of
+    ``llm.generate``, ``pcm`` chunks of ``talker.synthesize``); empty when unary.
+    """
+
+    role: str
+    operation: str
+    inputs: dict[str, VType]
+    outputs: dict[str, VType]
+    optional: frozenset[str] = field(default_factory=frozenset)
+    streams: str = ""
+
+
+BUILTIN: dict[tuple[str, str], OpSignature] = {
+    ("llm", "generate"): OpSignature(
+        "llm",
+        "generate",
+        {"prompt": VType.TEXT, "session": VType.TEXT},
+        {
+            "text": VType.TEXT,
+            "prompt_tokens": VType.INT,
+            "cached_tokens": VType.INT,
+            "completion_tokens": VType.INT,
+            "finish_reason": VType.TEXT,
+        },
+        optional=frozenset({"session"}),
+        streams="text",
+    ),
+    ("encoder", "encode"): OpSignature(
+        "encoder", "encode", {"media": VType.ANY}, {"items": VType.LIST, "cache_hits": VType.INT}
+    ),
+    ("diffusion", "generate_image"): OpSignature(
+        "diffusion",
+        "generate_image",
+        {"prompt": VType.TEXT},
+        {"image": VType.ANY, "width": VType.INT, "height": VType.INT},
+    ),
+    ("talker", "synthesize"): OpSignature(
+        "talker",
+        "synthesize",
+        {"text": VType.TEXT},
+        {"pcm": VType.BYTES, "wav": VType.BYTES, "sample_rate": VType.INT},
+        streams="pcm",
+    ),
+}
+
+BUILTIN_ROLES = frozenset(role for role, _ in BUILTIN)
+
+_USER: dict[tuple[str, str], OpSignature] = {}
+
+
+def register_operation(
+    role: str,
+    operation: str,
+    inputs: dict[str, VType],
+    outputs: dict[str, VType],
+    *,
+    optional: tuple[str, ...] = (),
+    streams: str = "",
+) -> OpSignature:
+    """Declare an operation a worker serves through ``Invoke`` so that graphs can call it."""
+    if (role, operation) in BUILTIN:
+        raise InvalidArgument(f"{role}.{operation} is built in and cannot be redefined")
+    sig = OpSignature(role, operation, dict(inputs), dict(outputs), frozenset(optional), streams)
+    _USER[(role, operation)] = sig
+    return sig
+
+
+def signature(role: str, operation: str) -> OpSignature:
+    """The signature of ``role.operation``; raises InvalidArgument naming what is known."""
+    sig = BUILTIN.get((role, operation)) or _USER.get((role, operation))
+    if sig is not None:
+        return sig
+    known = sorted({f"{r}.{o}" for r, o in (*BUILTIN, *_USER) if r == role})
+    if known:
+        raise InvalidArgument(
+            f"unknown operation {operation!r} of role {role!r}; known: {', '.join(known)}"
+        )
+    roles = sorted({r for r, _ in (*BUILTIN, *_USER)})
+    raise InvalidArgument(
+        f"unknown role {role!r}; known: {', '.join(roles)} "
+        "(declare a user operation with omniflow.dsl.register_operation)"
+    )
