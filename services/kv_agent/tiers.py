@@ -225,6 +225,36 @@ class TieredStore:
             if self._reserved.pop(res.slot, None) is not None:
                 self.host.release_slot(res.slot)
 
+    def reserve_any(self) -> int:
+        """Reserve a host slot for a page not named yet; ``commit_slot`` names it."""
+        with self._lock:
+            slot = self._host_slot()
+            self._reserved[slot] = b""
+            return slot
+
+    def commit_slot(
+        self, slot: int, namespace: bytes, block_hash: bytes, checksum: int | None = None
+    ) -> int:
+        """Commit a slot reserved by ``reserve`` (for this page) or ``reserve_any``."""
+        key = _key(namespace, block_hash)
+        with self._lock:
+            held = self._reserved.get(slot)
+            if held == b"":
+                self._reserved[slot] = key
+            elif held != key:  # checked here so that a wrong commit keeps the reservation
+                raise FailedPrecondition(
+                    f"slot {slot} is not reserved for page {block_hash.hex()}; reserve it first"
+                )
+            return self.commit(Reservation(namespace, block_hash, slot), checksum)
+
+    def abort_slot(self, slot: int) -> bool:
+        """Give a reserved slot back unwritten; False if it was not reserved."""
+        with self._lock:
+            if self._reserved.pop(slot, None) is None:
+                return False
+            self.host.release_slot(slot)
+            return True
+
     def put(
         self,
         namespace: bytes,
@@ -361,6 +391,42 @@ class TieredStore:
                 self.ssd.remove(key)
             self._emit(key, before)
             return True
+
+    def evict(self, namespace: bytes, block_hash: bytes, tier: Tier | None = None) -> bool:
+        """Evict one page: from host (demoted to SSD when there is one), from SSD only, or
+        (``tier`` None) from every tier. False if the page was not in that tier."""
+        if tier is None:
+            return self.remove(namespace, block_hash)
+        key = _key(namespace, block_hash)
+        with self._lock:
+            if tier == Tier.HOST:
+                page = self.host.get(key, touch=False)
+                if page is None:
+                    return False
+                if page.pins:
+                    raise FailedPrecondition(f"page {block_hash.hex()} is pinned ({page.pins})")
+                self._demote(key)
+                return True
+            if tier == Tier.SSD and self.ssd is not None and key in self.ssd:
+                before = self._best(key)
+                self.ssd.remove(key)
+                self._counts["dropped"] += 1
+                self._emit(key, before)
+                return True
+            return False
+
+    def free_host(self, pages: int) -> int:
+        """Demote least recently used unpinned host pages until ``pages`` slots are free
+        under the budget (or nothing unpinned is left); returns how many were moved out."""
+        moved = 0
+        with self._lock:
+            while self.host.budget_pages - len(self.host) - self.host.reserved_slots < pages:
+                victim = self.host.lru_victim()
+                if victim is None:
+                    break
+                self._demote(victim)
+                moved += 1
+        return moved
 
     def stats(self) -> StoreStats:
         with self._lock:

@@ -17,3 +17,13 @@ class KVIndexSettings(CommonSettings):
     max_hashes: int = setting(
         "OMNIFLOW_KV_MAX_HASHES", 65536, "most block hashes in one request", minimum=1
     )
+    sweep_interval_s: float = setting(
+        "OMNIFLOW_KV_SWEEP_INTERVAL_S",
+        0.5,
+        "how often the index drops lapsed owners, sweeps stale entries and checks that Redis "
+        "kept its data",
+        minimum=0.01,
+    )
+    key_prefix: str = setting(
+        "OMNIFLOW_KV_KEY_PREFIX", "of:kv:", "prefix of the index's Redis keys"
+    )

@@ -54,7 +54,7 @@ import redis.exceptions as redis_exc
 
 from omniflow.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from omniflow.kv.blocks import HASH_BYTES, KVLayout
-from omniflow.kv.events import BlockEntry, BlockEvent, EventKind, Tier
+from omniflow.kv.events import CLEAR_KINDS, BlockEntry, BlockEvent, EventKind, Tier
 
 log = logging.getLogger(__name__)
 
@@ -200,11 +200,11 @@ class _Scripts:
 
 
 def pack_events(events: Iterable[BlockEvent]) -> bytes:
-    """34 bytes per event: kind, tier, namespace, hash (zeros for CLEARED)."""
+    """34 bytes per event: kind, tier, namespace, hash (zeros for the clear kinds)."""
     out = bytearray()
     for ev in events:
         out += bytes((int(ev.kind), int(ev.tier)))
-        out += bytes(32) if ev.kind == EventKind.CLEARED else ev.namespace + ev.block_hash
+        out += bytes(32) if ev.kind in CLEAR_KINDS else ev.namespace + ev.block_hash
     return bytes(out)
 
 
@@ -367,7 +367,7 @@ class KVIndex:
             )
         if seq < 1:
             raise InvalidArgument(f"seq must be >= 1, got {seq}")
-        await self._check_namespaces(ev.namespace for ev in events if ev.kind != EventKind.CLEARED)
+        await self._check_namespaces(ev.namespace for ev in events if ev.kind not in CLEAR_KINDS)
         status, last, applied = await self._run(
             "apply", [self._p, owner_id, epoch, "E", seq, pack_events(events)]
         )

@@ -1,19 +1,207 @@
-"""The kv-index gRPC edge."""
+"""The kv-index gRPC edge: KVIndexService over the Redis-backed core (``core.KVIndex``).
+
+Health turns SERVING once Redis answered and the core loaded its namespaces. A
+maintenance task sweeps lapsed owners and stale entries, and notices a Redis that lost its
+data (the run marker is gone): the run id changes and every owner's next heartbeat or
+batch is refused, which makes it take a new lease and send a snapshot.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
 
 import grpc
 import redis.asyncio as aioredis
 
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
-from omniflow.errors import Unavailable
-from omniflow.rpc.server import Runtime, ServiceApp
-from omniflow.rpc.status import unimplemented_servicer
-from omniflow_services.kv_index.config import KVIndexSettings
-
-PendingKVIndex = unimplemented_servicer(
-    kvindex_pb2_grpc.KVIndexServiceServicer, "the KV index (Data Flow)"
+from omniflow.errors import InvalidArgument, Unavailable
+from omniflow.kv.blocks import HASH_BYTES
+from omniflow.kv.events import BlockEntry, BlockEvent, EventKind
+from omniflow.kv.wire import (
+    check_hashes,
+    layout_from_proto,
+    layout_to_proto,
+    parse_namespace,
+    tier_from_proto,
+    tier_to_proto,
 )
+from omniflow.rpc.server import Runtime, ServiceApp
+from omniflow_services.kv_index.config import KVIndexSettings
+from omniflow_services.kv_index.core import KVIndex, LeaseStatus, OwnerInfo, OwnerKind
+
+log = logging.getLogger(__name__)
+
+_KIND_FROM_PROTO = {
+    kvindex_pb2.OWNER_KIND_WORKER: OwnerKind.WORKER,
+    kvindex_pb2.OWNER_KIND_AGENT: OwnerKind.AGENT,
+}
+_KIND_TO_PROTO = {str(v): k for k, v in _KIND_FROM_PROTO.items()}
+_EVENT_KIND = {
+    kvindex_pb2.BlockEvent.TYPE_STORED: EventKind.STORED,
+    kvindex_pb2.BlockEvent.TYPE_REMOVED: EventKind.REMOVED,
+}
+#: Most blocks in one snapshot: a bound on what one owner can make the index buffer.
+MAX_SNAPSHOT_BLOCKS = 4_000_000
+
+
+def events_from_proto(msgs: list[kvindex_pb2.BlockEvent]) -> list[BlockEvent]:
+    """Core events of a batch; a CLEARED with a tier clears that tier only."""
+    out: list[BlockEvent] = []
+    for i, msg in enumerate(msgs):
+        if msg.type == kvindex_pb2.BlockEvent.TYPE_CLEARED:
+            if msg.tier:
+                out.append(BlockEvent(EventKind.CLEARED_TIER, tier=tier_from_proto(msg.tier)))
+            else:
+                out.append(BlockEvent(EventKind.CLEARED))
+            continue
+        kind = _EVENT_KIND.get(msg.type)
+        if kind is None:
+            raise InvalidArgument(
+                f"event {i}: type must be TYPE_STORED, TYPE_REMOVED or TYPE_CLEARED, got {msg.type}"
+            )
+        ns = parse_namespace(msg.namespace)
+        tier = tier_from_proto(msg.tier, f"event {i} tier")
+        for h in check_hashes(msg.block_hashes):
+            out.append(BlockEvent(kind, ns, h, tier))
+    return out
+
+
+class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
+    def __init__(self, app: KVIndexApp) -> None:
+        self.app = app
+
+    @property
+    def core(self) -> KVIndex:
+        if self.app.core is None:
+            raise Unavailable("kv index is starting")
+        return self.app.core
+
+    async def RegisterNamespace(
+        self, request: kvindex_pb2.RegisterNamespaceRequest, context: grpc.aio.ServicerContext
+    ) -> kvindex_pb2.RegisterNamespaceResponse:
+        if not request.HasField("layout"):
+            raise InvalidArgument("layout is required")
+        layout = layout_from_proto(request.layout)
+        ns = await self.core.register_namespace(layout)
+        return kvindex_pb2.RegisterNamespaceResponse(
+            namespace=ns.hex(), page_bytes=layout.page_bytes
+        )
+
+    async def GetNamespace(
+        self, request: kvindex_pb2.GetNamespaceRequest, context: grpc.aio.ServicerContext
+    ) -> kvindex_pb2.GetNamespaceResponse:
+        layout = await self.core.layout(parse_namespace(request.namespace))
+        return kvindex_pb2.GetNamespaceResponse(
+            layout=layout_to_proto(layout), page_bytes=layout.page_bytes
+        )
+
+    async def AcquireLease(
+        self, request: kvindex_pb2.AcquireLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> kvindex_pb2.AcquireLeaseResponse:
+        kind = _KIND_FROM_PROTO.get(request.kind)
+        if kind is None:
+            raise InvalidArgument("kind must be OWNER_KIND_WORKER or OWNER_KIND_AGENT")
+        owner = OwnerInfo(request.owner_id, request.node, request.address, kind)
+        lease = await self.core.register_owner(owner, request.ttl_ms or None)
+        log.info(
+            "lease for %s (%s at %s): epoch %d", owner.owner_id, kind, owner.address, lease.epoch
+        )
+        return kvindex_pb2.AcquireLeaseResponse(
+            epoch=lease.epoch, ttl_ms=lease.lease_ms, index_run_id=lease.run_id
+        )
+
+    async def Heartbeat(
+        self, request: kvindex_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> kvindex_pb2.HeartbeatResponse:
+        res = await self.core.heartbeat(request.owner_id, request.epoch)
+        return kvindex_pb2.HeartbeatResponse(
+            ok=res.status == LeaseStatus.OK,
+            snapshot_requested=res.status != LeaseStatus.OK,
+            index_run_id=res.run_id,
+        )
+
+    async def ReleaseLease(
+        self, request: kvindex_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> kvindex_pb2.ReleaseLeaseResponse:
+        # Only the holder of the current epoch may give the lease up.
+        res = await self.core.heartbeat(request.owner_id, request.epoch)
+        if res.status == LeaseStatus.OK:
+            await self.core.deregister_owner(request.owner_id)
+        return kvindex_pb2.ReleaseLeaseResponse()
+
+    async def PublishEvents(
+        self, request: kvindex_pb2.PublishEventsRequest, context: grpc.aio.ServicerContext
+    ) -> kvindex_pb2.PublishEventsResponse:
+        events = events_from_proto(list(request.events))
+        res = await self.core.apply_events(request.owner_id, request.epoch, request.seq, events)
+        return kvindex_pb2.PublishEventsResponse(
+            accepted=res.ok,
+            expected_seq=res.expected_seq,
+            snapshot_required=res.snapshot_required,
+            reason="" if res.ok else res.status.name,
+        )
+
+    async def Snapshot(
+        self,
+        request_iterator: AsyncIterator[kvindex_pb2.SnapshotChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> kvindex_pb2.SnapshotResponse:
+        header: kvindex_pb2.SnapshotChunk | None = None
+        entries: list[BlockEntry] = []
+        async for chunk in request_iterator:
+            if header is None:
+                header = chunk
+            if not chunk.block_hashes:
+                continue
+            ns = parse_namespace(chunk.namespace)
+            tier = tier_from_proto(chunk.tier, "snapshot chunk tier")
+            entries.extend(BlockEntry(ns, h, tier) for h in check_hashes(chunk.block_hashes))
+            if len(entries) > MAX_SNAPSHOT_BLOCKS:
+                raise InvalidArgument(f"a snapshot holds at most {MAX_SNAPSHOT_BLOCKS} blocks")
+        if header is None:
+            raise InvalidArgument("a snapshot needs at least one chunk (the header)")
+        res = await self.core.snapshot(header.owner_id, header.epoch, entries, header.seq)
+        return kvindex_pb2.SnapshotResponse(blocks=res.blocks, next_seq=res.next_seq)
+
+    async def MatchPrefix(
+        self, request: kvindex_pb2.MatchPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> kvindex_pb2.MatchPrefixResponse:
+        ns = parse_namespace(request.namespace)
+        hashes = check_hashes(request.block_hashes, self.core.max_hashes)
+        res = await self.core.match_prefix(ns, hashes)
+        return kvindex_pb2.MatchPrefixResponse(
+            longest_prefix=res.longest_prefix,
+            owners=[
+                kvindex_pb2.OwnerMatch(
+                    owner_id=o.owner_id,
+                    kind=_KIND_TO_PROTO.get(o.kind, kvindex_pb2.OWNER_KIND_UNSPECIFIED),
+                    node=o.node,
+                    address=o.address,
+                    tier=tier_to_proto(o.tier),
+                    matched_blocks=o.matched_blocks,
+                )
+                for o in res.owners
+            ],
+        )
+
+    async def Stats(
+        self, request: kvindex_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> kvindex_pb2.StatsResponse:
+        st = await self.core.stats()
+        tiers = [
+            kvindex_pb2.TierStats(tier=t, blocks=st.blocks_per_tier[name])
+            for t, name in ((1, "device"), (2, "host"), (3, "ssd"))
+        ]
+        return kvindex_pb2.StatsResponse(
+            blocks=st.blocks,
+            owners=st.live_owners,
+            namespaces=st.namespaces,
+            tiers=tiers,
+            index_run_id=self.core.run_id,
+        )
 
 
 class KVIndexApp(ServiceApp):
@@ -24,20 +212,43 @@ class KVIndexApp(ServiceApp):
     def __init__(self, settings: KVIndexSettings) -> None:
         self.settings = settings
         self.redis: aioredis.Redis | None = None
+        self.core: KVIndex | None = None
+        self._stop = asyncio.Event()
+        self._sweeper: asyncio.Task[None] | None = None
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
-        kvindex_pb2_grpc.add_KVIndexServiceServicer_to_server(PendingKVIndex(), server)
+        kvindex_pb2_grpc.add_KVIndexServiceServicer_to_server(KVIndexServicer(self), server)
         return [kvindex_pb2.DESCRIPTOR.services_by_name["KVIndexService"].full_name]
 
     async def start(self, runtime: Runtime) -> None:
+        s = self.settings
         self.redis = aioredis.from_url(
-            self.settings.redis_url, socket_timeout=self.settings.call_timeout_s
+            s.redis_url,
+            socket_timeout=s.call_timeout_s,
+            socket_connect_timeout=s.call_timeout_s,
+            decode_responses=False,
+        )
+        core = KVIndex(
+            self.redis,
+            prefix=s.key_prefix,
+            default_lease_ms=s.lease_ttl_ms,
+            max_hashes=s.max_hashes,
         )
         try:
-            await self.redis.ping()
-        except Exception as exc:
-            raise Unavailable(f"Redis at {self.settings.redis_url} does not answer: {exc}") from exc
+            await core.start()
+        except Unavailable as exc:
+            raise Unavailable(f"Redis at {s.redis_url} does not answer: {exc}") from exc
+        self.core = core
+        self._sweeper = asyncio.create_task(core.maintenance_loop(s.sweep_interval_s, self._stop))
+        log.info("kv index on %s, run %s", s.redis_url, core.run_id)
+
+    def metadata(self) -> dict[str, str]:
+        return {"hash_bytes": str(HASH_BYTES)}
 
     async def stop(self) -> None:
+        self._stop.set()
+        if self._sweeper is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         if self.redis is not None:
             await self.redis.aclose()

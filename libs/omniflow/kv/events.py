@@ -25,6 +25,12 @@ class EventKind(IntEnum):
     REMOVED = 1
     #: the owner dropped every block it held (namespace and hash are ignored)
     CLEARED = 2
+    #: the owner dropped every block it held in ``tier`` (namespace and hash are ignored)
+    CLEARED_TIER = 3
+
+
+#: Kinds that name no block.
+CLEAR_KINDS = frozenset((EventKind.CLEARED, EventKind.CLEARED_TIER))
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +43,7 @@ class BlockEvent:
     tier: Tier = Tier.HOST
 
     def __post_init__(self) -> None:
-        if self.kind != EventKind.CLEARED and (
+        if self.kind not in CLEAR_KINDS and (
             len(self.namespace) != HASH_BYTES or len(self.block_hash) != HASH_BYTES
         ):
             raise ValueError(

@@ -1,7 +1,8 @@
 -- Apply a batch of block events of one owner (mode 'E', sequence checked and advanced)
 -- or a chunk of a snapshot (mode 'S', sequence untouched).
 -- ARGV: prefix, owner, epoch, mode, seq, packed events
--- An event is 34 bytes: kind (0 stored, 1 removed, 2 cleared), tier, namespace(16), hash(16).
+-- An event is 34 bytes: kind (0 stored, 1 removed, 2 cleared, 3 cleared in one tier), tier,
+-- namespace(16), hash(16).
 -- Returns {status, last seq, applied}; status 0 ok, 1 unknown owner,
 -- 2 stale epoch or lapsed lease, 3 sequence gap (last seq = what the index has).
 local P, owner, epoch_s, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -37,6 +38,17 @@ for off = 1, #data, 34 do
     redis.call('DEL', set)
     redis.call('HSET', okey, 'n0', 0, 'n1', 0, 'n2', 0)
     d = {0, 0, 0}
+  elseif kind == 3 then
+    local t = string.byte(data, off + 1)
+    local ts = tostring(t)
+    local all = redis.call('HGETALL', set)
+    for i = 1, #all, 2 do
+      if all[i + 1] == ts then
+        redis.call('HDEL', set, all[i])
+        redis.call('HDEL', bpre .. all[i], owner)
+        d[t + 1] = d[t + 1] - 1
+      end
+    end
   else
     -- Block hashes already mix in the namespace, so the hash alone names a block.
     local m = string.sub(data, off + 18, off + 33)

@@ -1,0 +1,79 @@
+"""Conversions between the KV protobuf messages and the plain KV types.
+
+The proto ``Tier`` enum reserves 0 for "unspecified" (DEVICE=1, HOST=2, SSD=3) while
+``omniflow.kv.events.Tier`` is DEVICE=0, HOST=1, SSD=2: every edge converts here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from omniflow.api.common.v1 import common_pb2
+from omniflow.errors import InvalidArgument
+from omniflow.kv.blocks import HASH_BYTES, BlockIdentityError, KVLayout
+from omniflow.kv.events import Tier
+
+
+def tier_to_proto(tier: Tier) -> int:
+    return int(tier) + 1
+
+
+def tier_from_proto(value: int, what: str = "tier") -> Tier:
+    """The core tier of a proto ``Tier``; unspecified or unknown values are InvalidArgument."""
+    if value not in (1, 2, 3):
+        raise InvalidArgument(f"{what} must be TIER_DEVICE, TIER_HOST or TIER_SSD, got {value}")
+    return Tier(value - 1)
+
+
+def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(
+        model_id=layout.model_id,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
+        page_size=layout.page_size,
+        lora_id=layout.lora_id,
+    )
+
+
+def layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
+    """A KVLayout; missing or bad fields are InvalidArgument naming the field."""
+    try:
+        return KVLayout(
+            model_id=msg.model_id,
+            num_layers=msg.num_layers,
+            num_kv_heads=msg.num_kv_heads,
+            head_dim=msg.head_dim,
+            dtype=msg.dtype or "float32",
+            page_size=msg.page_size,
+            lora_id=msg.lora_id,
+        )
+    except BlockIdentityError as exc:
+        raise InvalidArgument(f"layout: {exc}") from None
+
+
+def parse_namespace(text: str) -> bytes:
+    """The 16 bytes of a namespace given as 32 hex digits."""
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raw = b""
+    if len(raw) != HASH_BYTES:
+        raise InvalidArgument(
+            f"namespace must be {2 * HASH_BYTES} hex digits ({HASH_BYTES} bytes), got {text!r}"
+        )
+    return raw
+
+
+def check_hashes(hashes: Sequence[bytes], limit: int | None = None) -> list[bytes]:
+    """The hashes as a list, each 16 bytes, at most ``limit`` of them (InvalidArgument)."""
+    if limit is not None and len(hashes) > limit:
+        raise InvalidArgument(f"at most {limit} block hashes per request, got {len(hashes)}")
+    out = list(hashes)
+    for i, h in enumerate(out):
+        if len(h) != HASH_BYTES:
+            raise InvalidArgument(
+                f"block hash {i} has {len(h)} bytes; block hashes are {HASH_BYTES} bytes"
+            )
+    return out
