@@ -20,7 +20,8 @@ def test_export_order_and_import_round_trip(dtype: str) -> None:
     expected = torch.stack(
         [torch.stack([pool.layer(i)[kv][:, 3] for i in range(3)]) for kv in (0, 1)]
     )  # [2, L, H, P, D]
-    got = torch.frombuffer(bytearray(blob), dtype=pool.dtype).reshape(expected.shape)
+    assert tuple(expected.shape) == layout.page_shape
+    got = torch.frombuffer(bytearray(blob), dtype=pool.dtype).reshape(layout.page_shape)
     assert torch.equal(got, expected)
 
     other = KVPool(layout, num_pages=2, device="cpu")

@@ -52,6 +52,15 @@ class KVLayout:
         return _DTYPE_BYTES[self.dtype]
 
     @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        """Element order of one page's bytes: ``(2 [K, V], layers, kv_heads, page_size, head_dim)``.
+
+        Elements are native little-endian ``dtype``. Every producer and consumer of raw page
+        bytes (worker pools, agents, connectors) uses this order.
+        """
+        return (2, self.num_layers, self.num_kv_heads, self.page_size, self.head_dim)
+
+    @property
     def page_bytes(self) -> int:
         """Bytes of one page: K and V, for every layer, for ``page_size`` tokens."""
         per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes

@@ -4,7 +4,7 @@ Storage is ``[2, num_layers, num_kv_heads, num_pages, page_size, head_dim]`` (he
 gathering a request's pages for one layer yields ``[heads, pages, page_size, dim]``, which
 is already the ``[heads, tokens, dim]`` shape attention wants, with no second copy.
 
-A page on the wire (export/import) is in the KVLayout byte order
+A page on the wire (export/import) is in the byte order of ``KVLayout.page_shape``,
 ``[2 (K, V), num_layers, num_kv_heads, page_size, head_dim]`` of native little-endian
 ``KVLayout.dtype`` elements; export and import convert with one gather/scatter.
 """
@@ -75,8 +75,7 @@ class KVPool:
         if not pages:
             return
         raw = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
-        lay = self.layout
-        shape = (len(pages), 2, lay.num_layers, lay.num_kv_heads, lay.page_size, lay.head_dim)
+        shape = (len(pages), *self.layout.page_shape)
         tensor = raw.view(self.dtype).reshape(shape).permute(1, 2, 3, 0, 4, 5)
         idx = torch.tensor(pages, dtype=torch.long, device=self.device)
         self.data.index_copy_(3, idx, tensor.to(self.device))
