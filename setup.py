@@ -5,9 +5,7 @@ libs/omniflow (import name `omniflow`) and the services in services/<name>
 from setuptools import find_packages, setup
 
 packages = find_packages("libs", include=["omniflow", "omniflow.*"])
-packages += ["omniflow_services"] + [
-    f"omniflow_services.{p}" for p in find_packages("services")
-]
+packages += ["omniflow_services"] + [f"omniflow_services.{p}" for p in find_packages("services")]
 setup(
     packages=packages,
     package_dir={"omniflow": "libs/omniflow", "omniflow_services": "services"},
