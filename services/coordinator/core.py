@@ -3,7 +3,8 @@ coordinator replica (and a restarted one) sees the same workflows.
 
 Key layout: ``omniflow:workflows`` is a hash of workflow name → JSON summary
 ``{"name", "latest_version", "description"}``; each version's graph lives under
-``omniflow:workflow:{name}:{version}``.
+``omniflow:workflow:{name}:{version}`` (a serialized ``WorkflowGraph``), and
+``omniflow:workflow:{name}:seq`` counts versions. Versions start at 1 and only grow.
 """
 
 from __future__ import annotations
@@ -13,7 +14,24 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
+from omniflow.dsl.validate import validate_graph
+from omniflow.errors import InvalidArgument, NotFound
+
 WORKFLOWS_KEY = "omniflow:workflows"
+
+# Store the graph, then move the summary forward only if this version is newer (two
+# registrations racing must not leave the summary pointing at the older one).
+_REGISTER = """
+redis.call('SET', KEYS[2], ARGV[3])
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur then
+  local latest = tonumber(cjson.decode(cur)['latest_version'])
+  if latest >= tonumber(ARGV[2]) then return 0 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[4])
+return 1
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,3 +58,45 @@ class WorkflowCatalogue:
                 )
             )
         return sorted(out, key=lambda w: w.name)
+
+    async def register(self, graph: cpb.WorkflowGraph) -> int:
+        """Validate and store ``graph`` as the next version of its name; returns it."""
+        validate_graph(graph)
+        version = int(await self._redis.incr(f"omniflow:workflow:{graph.name}:seq"))
+        stored = cpb.WorkflowGraph()
+        stored.CopyFrom(graph)
+        stored.version = version
+        summary = json.dumps(
+            {"name": graph.name, "latest_version": version, "description": graph.description}
+        )
+        key = f"omniflow:workflow:{graph.name}:{version}"
+        await self._redis.eval(
+            _REGISTER,
+            2,
+            WORKFLOWS_KEY,
+            key,
+            graph.name,
+            version,
+            stored.SerializeToString(),
+            summary,
+        )
+        return version
+
+    async def get(self, name: str, version: int = 0) -> cpb.WorkflowGraph:
+        """A registered graph (``version`` 0: the latest); raises NotFound naming it."""
+        if not name:
+            raise InvalidArgument("a workflow name is required")
+        if version == 0:
+            raw = await self._redis.hget(WORKFLOWS_KEY, name)
+            if raw is None:
+                known = sorted(k.decode() for k in await self._redis.hkeys(WORKFLOWS_KEY))
+                raise NotFound(
+                    f"unknown workflow {name!r}; registered: {', '.join(known) or 'none'}"
+                )
+            version = int(json.loads(raw)["latest_version"])
+        data = await self._redis.get(f"omniflow:workflow:{name}:{version}")
+        if data is None:
+            raise NotFound(f"workflow {name!r} has no version {version}")
+        graph = cpb.WorkflowGraph()
+        graph.ParseFromString(data)
+        return graph

@@ -2,33 +2,83 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 import redis.asyncio as aioredis
 
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
-from omniflow.errors import Unavailable
+from omniflow.errors import InvalidArgument, Unavailable
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime, ServiceApp
-from omniflow.rpc.status import error_from_rpc, unimplemented_servicer
+from omniflow.rpc.status import error_from_rpc
+from omniflow_services.coordinator.caller import GrpcWorkerCaller
 from omniflow_services.coordinator.config import CoordinatorSettings
 from omniflow_services.coordinator.core import WorkflowCatalogue
+from omniflow_services.coordinator.runs import RunManager
 
 log = logging.getLogger(__name__)
 
-_Pending = unimplemented_servicer(
-    coordinator_pb2_grpc.CoordinatorServiceServicer,
-    "workflow registration and runs (Control Flow)",
-    keep=("ListWorkflows", "GetCluster"),
-)
+ROUTER_RECHECK_S = 2.0
 
 
-class CoordinatorServicer(_Pending):  # type: ignore[misc, valid-type]
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(self, app: CoordinatorApp) -> None:
         self.app = app
+
+    async def RegisterWorkflow(
+        self, request: coordinator_pb2.RegisterWorkflowRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.RegisterWorkflowResponse:
+        if not request.HasField("graph"):
+            raise InvalidArgument("graph is required")
+        version = await self.app.catalogue().register(request.graph)
+        log.info("registered workflow %s v%d", request.graph.name, version)
+        return coordinator_pb2.RegisterWorkflowResponse(name=request.graph.name, version=version)
+
+    async def GetWorkflow(
+        self, request: coordinator_pb2.GetWorkflowRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.GetWorkflowResponse:
+        graph = await self.app.catalogue().get(request.name, request.version)
+        return coordinator_pb2.GetWorkflowResponse(graph=graph)
+
+    async def SubmitRun(
+        self, request: coordinator_pb2.SubmitRunRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.SubmitRunResponse:
+        run_id = await self.app.runs().submit(
+            request.workflow, request.version, request.inputs, request.deadline_ms, request.run_id
+        )
+        return coordinator_pb2.SubmitRunResponse(run_id=run_id)
+
+    async def RunWorkflow(
+        self, request: coordinator_pb2.SubmitRunRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.RunEvent]:
+        runs = self.app.runs()
+        run_id = await runs.submit(
+            request.workflow, request.version, request.inputs, request.deadline_ms, request.run_id
+        )
+        async for event in runs.events(run_id):
+            yield event
+
+    async def StreamRunEvents(
+        self, request: coordinator_pb2.StreamRunEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.RunEvent]:
+        async for event in self.app.runs().events(request.run_id, request.from_seq):
+            yield event
+
+    async def GetRun(
+        self, request: coordinator_pb2.GetRunRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.GetRunResponse:
+        return coordinator_pb2.GetRunResponse(run=await self.app.runs().get(request.run_id))
+
+    async def CancelRun(
+        self, request: coordinator_pb2.CancelRunRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.CancelRunResponse:
+        state = await self.app.runs().cancel(request.run_id, request.reason)
+        return coordinator_pb2.CancelRunResponse(state=state)  # type: ignore[arg-type]
 
     async def ListWorkflows(
         self, request: coordinator_pb2.ListWorkflowsRequest, context: grpc.aio.ServicerContext
@@ -69,6 +119,10 @@ class CoordinatorApp(ServiceApp):
         self.runtime: Runtime | None = None
         self._redis: aioredis.Redis | None = None
         self._router: tuple[str, TracedChannel] | None = None
+        self._runs: RunManager | None = None
+        self._router_checked = 0.0
+        self._router_stub_cached: router_pb2_grpc.RouterServiceStub | None = None
+        self._caller: GrpcWorkerCaller | None = None
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
@@ -85,13 +139,43 @@ class CoordinatorApp(ServiceApp):
             await self._redis.ping()
         except Exception as exc:
             raise Unavailable(f"Redis at {self.settings.redis_url} does not answer: {exc}") from exc
+        self._caller = GrpcWorkerCaller(
+            self._router_stub,
+            pick_timeout_s=self.settings.pick_timeout_s,
+            call_timeout_s=self.settings.node_timeout_s,
+        )
+        s = self.settings
+        self._runs = RunManager(
+            self._redis,
+            self._caller,
+            owner_id=runtime.instance_id,
+            max_runs=s.max_runs,
+            run_ttl_s=s.run_ttl_s,
+            max_inline_bytes=s.max_inline_bytes,
+            lease_ttl_s=max(s.registration_ttl_s, 1.0),
+        )
+        await self._runs.start()
+
+    def runs(self) -> RunManager:
+        assert self._runs is not None, "started"
+        return self._runs
+
+    async def _router_stub(self) -> router_pb2_grpc.RouterServiceStub:
+        return (await self.router())[1]
 
     def catalogue(self) -> WorkflowCatalogue:
         assert self._redis is not None, "started"
         return WorkflowCatalogue(self._redis)
 
     async def router(self) -> tuple[str, router_pb2_grpc.RouterServiceStub]:
-        """The router's address and a stub, from settings or discovery."""
+        """The router's address and a stub, from settings or discovery.
+
+        A discovered address is reused for ``ROUTER_RECHECK_S`` so that a node call
+        does not cost a discovery lookup.
+        """
+        loop = asyncio.get_running_loop()
+        if self._router is not None and loop.time() < self._router_checked + ROUTER_RECHECK_S:
+            return self._router[0], self._router_stub_cached
         address = self.settings.router_addr
         if not address:
             assert self.runtime is not None
@@ -106,11 +190,18 @@ class CoordinatorApp(ServiceApp):
                 address,
                 default_timeout_s=self.settings.call_timeout_s,
                 idempotent=("omniflow.api.router.v1.RouterService/ListWorkers",),
+                max_in_flight=None,
             )
             self._router = (address, channel)
-        return address, router_pb2_grpc.RouterServiceStub(self._router[1])
+            self._router_stub_cached = router_pb2_grpc.RouterServiceStub(channel)
+        self._router_checked = loop.time()
+        return address, self._router_stub_cached
 
     async def stop(self) -> None:
+        if self._runs is not None:
+            await self._runs.stop()
+        if self._caller is not None:
+            await self._caller.close()
         if self._router is not None:
             await self._router[1].close()
         if self._redis is not None:

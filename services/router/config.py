@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omniflow.config import CommonSettings, setting
+from omniflow.errors import InvalidArgument
+from omniflow_services.router.core import STRATEGIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,9 +16,79 @@ class RouterSettings(CommonSettings):
     default_strategy: str = setting(
         "OMNIFLOW_ROUTER_STRATEGY",
         "round_robin",
-        "strategy when a call names none",
-        choices=("round_robin", "random"),
+        "strategy when a call names none and its role has no entry in role strategies",
+        choices=STRATEGIES,
+    )
+    role_strategies: str = setting(
+        "OMNIFLOW_ROUTER_ROLE_STRATEGIES",
+        "",
+        "per-role default strategies, e.g. 'llm=kv_aware,encoder=least_outstanding'",
     )
     load_timeout_s: float = setting(
         "OMNIFLOW_ROUTER_LOAD_TIMEOUT_S", 0.5, "deadline of GetLoad calls to workers", minimum=0.01
     )
+    health_interval_s: float = setting(
+        "OMNIFLOW_ROUTER_HEALTH_INTERVAL_S",
+        1.0,
+        "how often workers' load and health are polled; 0: never",
+        minimum=0,
+    )
+    kv_index: str = setting(
+        "OMNIFLOW_ROUTER_KV_INDEX",
+        "grpc",
+        "how kv_aware reaches the KV index: its gRPC MatchPrefix, the index's Redis "
+        "directly, or off (load only)",
+        choices=("grpc", "redis", "off"),
+    )
+    kv_index_addr: str = setting(
+        "OMNIFLOW_KV_INDEX_ADDR", "", "kv-index address; empty: found through discovery"
+    )
+    kv_index_timeout_s: float = setting(
+        "OMNIFLOW_ROUTER_KV_INDEX_TIMEOUT_S",
+        0.05,
+        "deadline of a prefix match; past it kv_aware picks by load only",
+        minimum=0.001,
+    )
+    kv_load_weight: float = setting(
+        "OMNIFLOW_ROUTER_KV_LOAD_WEIGHT",
+        1.0,
+        "kv_aware: cost of one outstanding request, in prompt blocks",
+        minimum=0,
+    )
+    kv_temperature: float = setting(
+        "OMNIFLOW_ROUTER_KV_TEMPERATURE",
+        0.0,
+        "kv_aware: sample among near-equal workers (0: always the cheapest)",
+        minimum=0,
+    )
+    breaker_threshold: int = setting(
+        "OMNIFLOW_ROUTER_BREAKER_THRESHOLD",
+        3,
+        "failures in a row that open a worker's circuit breaker",
+        minimum=1,
+    )
+    breaker_cooldown_s: float = setting(
+        "OMNIFLOW_ROUTER_BREAKER_COOLDOWN_S",
+        2.0,
+        "seconds an open breaker waits before one trial call",
+        minimum=0,
+    )
+    proxy_timeout_s: float = setting(
+        "OMNIFLOW_ROUTER_PROXY_TIMEOUT_S",
+        300.0,
+        "deadline of proxied worker calls whose caller set none",
+        minimum=0.001,
+    )
+
+    def strategy_for(self, role: str) -> str:
+        """The default strategy of ``role``."""
+        for entry in self.role_strategies.split(","):
+            name, _, strategy = entry.strip().partition("=")
+            if name == role and strategy:
+                if strategy not in STRATEGIES:
+                    raise InvalidArgument(
+                        f"OMNIFLOW_ROUTER_ROLE_STRATEGIES names {strategy!r}; accepted: "
+                        f"{', '.join(STRATEGIES)}"
+                    )
+                return strategy
+        return self.default_strategy

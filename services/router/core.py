@@ -1,65 +1,394 @@
-"""The router's core: the table of live workers per role, and picking among them.
+"""The router's core: live workers per role, their load and health, and the strategies.
 
-Fed by a discovery watch; no gRPC here.
+Fed by a discovery watch and by outcomes; no gRPC here. Load per worker is the larger
+of the calls the router knows are outstanding on it (picks not yet reported, proxied
+calls in flight) and the queue the worker last reported through ``GetLoad``.
+
+``kv_aware``: the cost of a worker is the prefill work it would still have to do —
+prompt blocks minus the blocks it can reach, credited 1.0 in its own device pool, 0.75
+in its node's host tier and 0.25 on its node's SSD — plus ``load_weight`` blocks per
+outstanding request. With a temperature above 0 the pick samples from
+``softmax(-cost / temperature)``, spreading load among near-equal workers.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 import random
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
-from omniflow.errors import InvalidArgument, NotFound, Unimplemented
+import xxhash
+
+from omniflow.errors import InvalidArgument, NotFound
 from omniflow.workers import WorkerRecord
 
-# Strategies built so far; the KV-aware and load-based ones come with the Control Flow issue.
-STRATEGIES = ("round_robin", "random")
+STRATEGIES = (
+    "round_robin",
+    "random",
+    "least_outstanding",
+    "power_of_two",
+    "consistent_hash",
+    "weighted",
+    "kv_aware",
+)
+
+# Credit per reachable block by where it sits (the issue's cost model).
+CREDIT_DEVICE, CREDIT_HOST, CREDIT_SSD = 1.0, 0.75, 0.25
+VNODES = 64
+# Codes that say nothing about a worker's health (the caller's fault, or a cancel).
+NEUTRAL_CODES = frozenset(
+    {"INVALID_ARGUMENT", "NOT_FOUND", "CANCELLED", "FAILED_PRECONDITION", "ALREADY_EXISTS"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """What the KV index says one owner holds of a prompt's leading blocks."""
+
+    owner_id: str
+    kind: str  # "worker" or "agent"
+    node: str
+    address: str
+    matched_blocks: int
+    blocks_per_tier: tuple[int, int, int]  # device, host, ssd
+
+
+@dataclass(frozen=True, slots=True)
+class PickResult:
+    worker: WorkerRecord
+    strategy: str
+    reachable_blocks: int = 0
+    cost: float = 0.0
+    fallback_reason: str = ""
+
+
+class CircuitBreaker:
+    """Closed → (``threshold`` failures in a row) → open for ``cooldown_s`` → half-open
+    (one trial call) → closed on success, open again on failure."""
+
+    __slots__ = ("cooldown_s", "failures", "opened_at", "state", "threshold", "trial_out")
+
+    def __init__(self, threshold: int, cooldown_s: float) -> None:
+        self.threshold, self.cooldown_s = threshold, cooldown_s
+        self.failures = 0
+        self.state = "closed"
+        self.opened_at = 0.0
+        self.trial_out = False
+
+    def allows(self, now: float) -> bool:
+        if self.state == "open" and now - self.opened_at >= self.cooldown_s:
+            self.state, self.trial_out = "half_open", False
+        if self.state == "half_open":
+            return not self.trial_out
+        return self.state == "closed"
+
+    def on_pick(self) -> None:
+        if self.state == "half_open":
+            self.trial_out = True
+
+    def record(self, success: bool, now: float) -> bool:
+        """Returns True when this outcome opened the breaker."""
+        if success:
+            self.failures, self.state = 0, "closed"
+            return False
+        self.failures += 1
+        if self.state == "half_open" or self.failures >= self.threshold:
+            opened = self.state != "open"
+            self.state, self.opened_at, self.trial_out = "open", now, False
+            return opened
+        return False
+
+
+@dataclass(slots=True)
+class _Live:
+    record: WorkerRecord
+    weight: float
+    outstanding: dict[int, float] = field(default_factory=dict)  # ticket -> pick time
+    reported_queue: int = 0
+    healthy: bool = True
+    breaker: CircuitBreaker | None = None
+    current: float = 0.0  # smooth weighted round robin state
 
 
 class WorkerTable:
     """Live workers by id, replaced wholesale on every discovery change."""
 
-    def __init__(self, seed: int | None = None) -> None:
-        self._workers: dict[str, WorkerRecord] = {}
+    def __init__(
+        self,
+        seed: int | None = None,
+        *,
+        breaker_threshold: int = 3,
+        breaker_cooldown_s: float = 2.0,
+        outstanding_ttl_s: float = 60.0,
+    ) -> None:
+        self._workers: dict[str, _Live] = {}
         self._cursor: dict[str, itertools.count[int]] = {}
         self._rng = random.Random(seed)
+        self._rings: dict[str, tuple[list[int], list[str]]] = {}
+        self._tickets = itertools.count(1)
+        self.breaker_threshold, self.breaker_cooldown_s = breaker_threshold, breaker_cooldown_s
+        self.outstanding_ttl_s = outstanding_ttl_s
         self.generation = 0
+        self.counters: dict[str, int] = {}
 
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    # -- membership
     def replace(self, workers: Iterable[WorkerRecord]) -> None:
-        self._workers = {w.worker_id: w for w in workers}
+        fresh: dict[str, _Live] = {}
+        for w in workers:
+            old = self._workers.get(w.worker_id)
+            try:
+                weight = max(float(w.metadata.get("weight", "1") or 1), 0.0)
+            except ValueError:
+                weight = 1.0
+            live = _Live(
+                w, weight, breaker=CircuitBreaker(self.breaker_threshold, self.breaker_cooldown_s)
+            )
+            if old is not None and old.record.address == w.address:
+                live.outstanding, live.breaker = old.outstanding, old.breaker
+                live.reported_queue, live.healthy = old.reported_queue, old.healthy
+            fresh[w.worker_id] = live
+        self._workers = fresh
+        self._rings.clear()
         self.generation += 1
 
     def list(self, role: str = "") -> list[WorkerRecord]:
-        found = [w for w in self._workers.values() if not role or w.role == role]
+        found = [v.record for v in self._workers.values() if not role or v.record.role == role]
         return sorted(found, key=lambda w: w.worker_id)
 
     def roles(self) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for w in self._workers.values():
-            counts[w.role] = counts.get(w.role, 0) + 1
+        for v in self._workers.values():
+            counts[v.record.role] = counts.get(v.record.role, 0) + 1
         return counts
 
-    def pick(
-        self, role: str, strategy: str, exclude: Iterable[str] = (), operation: str = ""
-    ) -> WorkerRecord:
-        """One worker of ``role``; raises NotFound when none is live."""
+    def breakers(self) -> dict[str, str]:
+        now = time.monotonic()
+        out = {}
+        for wid, v in self._workers.items():
+            assert v.breaker is not None
+            v.breaker.allows(now)  # moves open → half_open when the cooldown passed
+            out[wid] = v.breaker.state
+        return out
+
+    # -- load and outcomes
+    def set_health(self, worker_id: str, healthy: bool, queue: int = 0) -> None:
+        live = self._workers.get(worker_id)
+        if live is not None:
+            live.healthy, live.reported_queue = healthy, queue
+
+    def load(self, worker_id: str) -> int:
+        live = self._workers.get(worker_id)
+        if live is None:
+            return 0
+        if live.outstanding:
+            cutoff = time.monotonic() - self.outstanding_ttl_s
+            # Picks never reported (a caller that died) stop counting after a while.
+            for ticket in [t for t, at in live.outstanding.items() if at < cutoff]:
+                del live.outstanding[ticket]
+        return max(len(live.outstanding), live.reported_queue)
+
+    def begin(self, worker_id: str) -> int:
+        """Count a call as outstanding on the worker; returns a ticket for ``finish``."""
+        ticket = next(self._tickets)
+        live = self._workers.get(worker_id)
+        if live is not None:
+            live.outstanding[ticket] = time.monotonic()
+        return ticket
+
+    def finish(self, worker_id: str, ticket: int | None, success: bool, code: str = "") -> None:
+        """An outcome: ends one outstanding call (``ticket``, or the oldest) and feeds the
+        worker's breaker (errors that are the caller's fault do not count)."""
+        live = self._workers.get(worker_id)
+        if live is None:
+            return
+        if ticket is not None:
+            live.outstanding.pop(ticket, None)
+        elif live.outstanding:
+            del live.outstanding[min(live.outstanding)]
+        if not success and code in NEUTRAL_CODES:
+            return
+        assert live.breaker is not None
+        if live.breaker.record(success, time.monotonic()):
+            self.count("breaker_opened")
+
+    # -- picking
+    def candidates(
+        self, role: str, exclude: Iterable[str] = (), operation: str = ""
+    ) -> list[_Live]:
         if not role:
             raise InvalidArgument("role is required (e.g. 'llm', 'encoder', 'diffusion')")
-        if strategy not in STRATEGIES:
-            raise Unimplemented(
-                f"strategy {strategy!r} is not available yet (needs the Control Flow router "
-                f"strategies); available: {', '.join(STRATEGIES)}"
-            )
         excluded = set(exclude)
-        candidates = [
-            w
-            for w in self.list(role)
-            if w.worker_id not in excluded and (not operation or operation in w.operations)
+        now = time.monotonic()
+        found = [
+            v
+            for v in self._workers.values()
+            if v.record.role == role
+            and v.record.worker_id not in excluded
+            and (not operation or not v.record.operations or operation in v.record.operations)
         ]
-        if not candidates:
+        if not found:
             live = ", ".join(sorted(self.roles())) or "none"
-            raise NotFound(f"no live worker of role {role!r}; live roles: {live}")
+            what = f" serving {operation!r}" if operation else ""
+            raise NotFound(f"no live worker of role {role!r}{what}; live roles: {live}")
+        found.sort(key=lambda v: v.record.worker_id)
+        healthy = [v for v in found if v.healthy]
+        allowed = [v for v in healthy if v.breaker is None or v.breaker.allows(now)]
+        if not allowed:
+            # Every breaker is open: try the least recently failed rather than refuse.
+            self.count("all_breakers_open")
+            return healthy or found
+        return allowed
+
+    def pick(
+        self,
+        role: str,
+        strategy: str,
+        exclude: Iterable[str] = (),
+        operation: str = "",
+        *,
+        session_key: str = "",
+        reach: list[Reach] | None = None,
+        prompt_blocks: int = 0,
+        temperature: float = 0.0,
+        load_weight: float = 1.0,
+        fallback_reason: str = "",
+    ) -> PickResult:
+        """One worker of ``role`` by ``strategy``; raises NotFound when none is live.
+
+        For ``kv_aware``, ``reach`` is the index's answer (None: it did not answer, so
+        the pick is by load only).
+        """
+        if strategy not in STRATEGIES:
+            raise InvalidArgument(
+                f"unknown strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}"
+            )
+        cands = self.candidates(role, exclude, operation)
+        self.count(f"pick_{strategy}")
+        result = self._choose(
+            role, strategy, cands, session_key, reach, prompt_blocks, temperature, load_weight
+        )
+        if fallback_reason and not result.fallback_reason:
+            result = PickResult(
+                result.worker,
+                result.strategy,
+                result.reachable_blocks,
+                result.cost,
+                fallback_reason,
+            )
+        live = self._workers[result.worker.worker_id]
+        assert live.breaker is not None
+        live.breaker.on_pick()
+        return result
+
+    def _choose(
+        self,
+        role: str,
+        strategy: str,
+        cands: list[_Live],
+        session_key: str,
+        reach: list[Reach] | None,
+        prompt_blocks: int,
+        temperature: float,
+        load_weight: float,
+    ) -> PickResult:
         if strategy == "random":
-            return self._rng.choice(candidates)
+            return PickResult(self._rng.choice(cands).record, strategy)
+        if strategy == "least_outstanding":
+            best = min(cands, key=lambda v: (self.load(v.record.worker_id), self._rng.random()))
+            return PickResult(best.record, strategy, cost=self.load(best.record.worker_id))
+        if strategy == "power_of_two":
+            two = self._rng.sample(cands, 2) if len(cands) > 1 else cands
+            best = min(two, key=lambda v: self.load(v.record.worker_id))
+            return PickResult(best.record, strategy, cost=self.load(best.record.worker_id))
+        if strategy == "consistent_hash":
+            if not session_key:
+                chosen = self._round_robin(role, cands)
+                return PickResult(chosen.record, "round_robin", fallback_reason="no session key")
+            return PickResult(self._ring_pick(role, cands, session_key).record, strategy)
+        if strategy == "weighted":
+            return PickResult(self._weighted(cands).record, strategy)
+        if strategy == "kv_aware":
+            return self._kv_aware(cands, reach, prompt_blocks, temperature, load_weight)
+        return PickResult(self._round_robin(role, cands).record, "round_robin")
+
+    def _round_robin(self, role: str, cands: list[_Live]) -> _Live:
         cursor = self._cursor.setdefault(role, itertools.count())
-        return candidates[next(cursor) % len(candidates)]
+        return cands[next(cursor) % len(cands)]
+
+    def _ring_pick(self, role: str, cands: list[_Live], key: str) -> _Live:
+        ids = tuple(v.record.worker_id for v in cands)
+        ring_key = f"{role}|{'|'.join(ids)}"
+        ring = self._rings.get(ring_key)
+        if ring is None:
+            points = sorted(
+                (xxhash.xxh3_64_intdigest(f"{wid}#{i}"), wid) for wid in ids for i in range(VNODES)
+            )
+            ring = ([p for p, _ in points], [w for _, w in points])
+            self._rings[ring_key] = ring
+        h = xxhash.xxh3_64_intdigest(key)
+        i = bisect.bisect(ring[0], h) % len(ring[0])
+        wid = ring[1][i]
+        return next(v for v in cands if v.record.worker_id == wid)
+
+    def _weighted(self, cands: list[_Live]) -> _Live:
+        # Smooth weighted round robin: even spread in proportion to the weights.
+        total = sum(v.weight for v in cands)
+        if total <= 0:
+            return self._rng.choice(cands)
+        for v in cands:
+            v.current += v.weight
+        best = max(cands, key=lambda v: v.current)
+        best.current -= total
+        return best
+
+    def reachable(self, worker: WorkerRecord, reach: list[Reach]) -> tuple[float, int]:
+        """(credit, leading blocks reachable) of one worker given the index's answer."""
+        device = 0
+        agent_blocks, host, ssd = 0, 0, 0
+        for r in reach:
+            if r.kind == "worker" and (
+                r.owner_id == worker.worker_id or r.address == worker.address
+            ):
+                device = max(device, r.matched_blocks)
+            elif r.kind == "agent" and r.node == worker.node:
+                if r.matched_blocks > agent_blocks:
+                    agent_blocks = r.matched_blocks
+                    host = r.blocks_per_tier[0] + r.blocks_per_tier[1]  # device entries: host
+                    ssd = r.blocks_per_tier[2]
+        credit = device * CREDIT_DEVICE
+        extra = max(0, agent_blocks - device)
+        if extra and host + ssd:
+            share = host / (host + ssd)
+            credit += extra * (share * CREDIT_HOST + (1 - share) * CREDIT_SSD)
+        return credit, max(device, agent_blocks)
+
+    def _kv_aware(
+        self,
+        cands: list[_Live],
+        reach: list[Reach] | None,
+        prompt_blocks: int,
+        temperature: float,
+        load_weight: float,
+    ) -> PickResult:
+        costs: list[tuple[float, int, _Live]] = []
+        for v in cands:
+            credit, reachable = self.reachable(v.record, reach or [])
+            prefill = max(prompt_blocks - credit, 0.0)
+            costs.append((prefill + load_weight * self.load(v.record.worker_id), reachable, v))
+        if temperature > 0 and len(costs) > 1:
+            low = min(c for c, _, _ in costs)
+            weights = [math.exp(-(c - low) / temperature) for c, _, _ in costs]
+            cost, reachable, best = self._rng.choices(costs, weights=weights)[0]
+        else:
+            low = min(c for c, _, _ in costs)
+            ties = [c for c in costs if c[0] <= low + 1e-9]
+            cost, reachable, best = ties[self._rng.randrange(len(ties))]
+        reason = "" if reach is not None else "kv index did not answer: load only"
+        return PickResult(best.record, "kv_aware", reachable, cost, reason)

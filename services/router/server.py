@@ -1,10 +1,21 @@
-"""The router's gRPC edge: RouterService over the worker table fed by discovery."""
+"""The router's gRPC edge: RouterService (lookaside) and WorkerService (proxy).
+
+Lookaside: ``Pick`` names a worker; the caller calls it and tells ``ReportOutcome``.
+Proxy: the router serves the worker API itself and forwards each call to a worker it
+picks (role from the method, or the ``x-omniflow-role`` header for ``Invoke``; strategy
+from ``x-omniflow-strategy``). A proxied call that fails with UNAVAILABLE before any
+response reached the client is retried once on another worker when the method is
+idempotent (``Invoke`` only when the caller says so with ``x-omniflow-idempotent: 1``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -12,15 +23,26 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.convert import strategy_name, strategy_value, worker_info
+from omniflow.errors import InvalidArgument, OmniflowError, Unavailable
 from omniflow.rpc.client import open_channel
-from omniflow.rpc.interceptors import TracedChannel
+from omniflow.rpc.interceptors import TracedChannel, remaining_s
 from omniflow.rpc.server import Runtime, ServiceApp
-from omniflow.rpc.status import unimplemented
+from omniflow.rpc.status import error_from_rpc
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
 from omniflow_services.router.config import RouterSettings
-from omniflow_services.router.core import WorkerTable
+from omniflow_services.router.core import PickResult, WorkerTable
+from omniflow_services.router.kvmatch import GrpcPrefixIndex, PrefixIndex, RedisPrefixIndex
 
 log = logging.getLogger(__name__)
+
+# Role a proxied method goes to when the caller names none.
+METHOD_ROLE = {
+    "Generate": "llm",
+    "Encode": "encoder",
+    "GenerateImage": "diffusion",
+    "Synthesize": "talker",
+}
+IDEMPOTENT = frozenset({"Generate", "Encode", "GenerateImage", "Synthesize", "GetInfo", "GetLoad"})
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
@@ -30,18 +52,32 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def Pick(
         self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.PickResponse:
-        strategy = strategy_name(request.strategy, self.app.settings.default_strategy)
-        worker = self.app.table.pick(
-            request.role, strategy, request.exclude_worker_ids, request.operation
+        result = await self.app.pick(
+            request.role,
+            request.strategy,
+            exclude=tuple(request.exclude_worker_ids),
+            operation=request.operation,
+            session_key=request.session_key,
+            namespace=request.kv_namespace,
+            hashes=list(request.block_hashes),
+            temperature=request.temperature,
         )
+        self.app.table.begin(result.worker.worker_id)
         return router_pb2.PickResponse(
-            worker=worker_info(worker), strategy=strategy_value(strategy)
+            worker=worker_info(result.worker),
+            strategy=strategy_value(result.strategy),  # type: ignore[arg-type]
+            reachable_blocks=result.reachable_blocks,
+            cost=result.cost,
+            fallback_reason=result.fallback_reason,
         )
 
     async def ReportOutcome(
         self, request: router_pb2.ReportOutcomeRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ReportOutcomeResponse:
-        raise unimplemented("circuit breakers of the Control Flow router")
+        if not request.worker_id:
+            raise InvalidArgument("worker_id is required")
+        self.app.table.finish(request.worker_id, None, request.success, request.error_code)
+        return router_pb2.ReportOutcomeResponse()
 
     async def ListWorkers(
         self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
@@ -56,27 +92,239 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             infos.append(info)
         return router_pb2.ListWorkersResponse(workers=infos)
 
+    async def GetStats(
+        self, request: router_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.GetStatsResponse:
+        table = self.app.table
+        return router_pb2.GetStatsResponse(counters=table.counters, breakers=table.breakers())
+
+
+def _header(context: grpc.aio.ServicerContext, key: str) -> str:
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return str(v)
+    return ""
+
+
+class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """The worker API, forwarded to a worker the router picks."""
+
+    def __init__(self, app: RouterApp) -> None:
+        self.app = app
+        self._requests: dict[str, str] = {}  # request id → worker address (for Abort)
+
+    async def _target(
+        self, method: str, context: grpc.aio.ServicerContext, exclude: tuple[str, ...], session: str
+    ) -> PickResult:
+        role = _header(context, "x-omniflow-role") or METHOD_ROLE.get(method, "")
+        if not role:
+            raise InvalidArgument(f"{method} through the router needs the x-omniflow-role header")
+        strategy = _header(context, "x-omniflow-strategy")
+        value = strategy_value(strategy) if strategy else 0
+        return await self.app.pick(role, value, exclude=exclude, session_key=session)
+
+    def _retryable(self, method: str, context: grpc.aio.ServicerContext) -> bool:
+        return method in IDEMPOTENT or _header(context, "x-omniflow-idempotent") == "1"
+
+    def _timeout(self) -> float:
+        left = remaining_s()
+        return self.app.settings.proxy_timeout_s if left is None else max(left, 0.0)
+
+    async def _unary(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        exclude: tuple[str, ...] = ()
+        for attempt in (1, 2):
+            pick = await self._target(method, context, exclude, "")
+            wid = pick.worker.worker_id
+            ticket = self.app.table.begin(wid)
+            stub = worker_pb2_grpc.WorkerServiceStub(self.app.channel(pick.worker.address))
+            try:
+                reply = await getattr(stub, method)(request, timeout=self._timeout())
+            except grpc.aio.AioRpcError as exc:
+                self.app.table.finish(wid, ticket, False, exc.code().name)
+                if (
+                    attempt == 1
+                    and exc.code() == grpc.StatusCode.UNAVAILABLE
+                    and self._retryable(method, context)
+                ):
+                    self.app.table.count("proxy_retries")
+                    exclude = (wid,)
+                    continue
+                raise error_from_rpc(exc) from None
+            self.app.table.finish(wid, ticket, True)
+            return reply
+        raise AssertionError("unreachable")
+
+    async def _stream(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext, session: str = ""
+    ) -> AsyncIterator[Any]:
+        exclude: tuple[str, ...] = ()
+        for attempt in (1, 2):
+            pick = await self._target(method, context, exclude, session)
+            wid = pick.worker.worker_id
+            ticket = self.app.table.begin(wid)
+            stub = worker_pb2_grpc.WorkerServiceStub(self.app.channel(pick.worker.address))
+            rid = getattr(request, "request_id", "")
+            if rid:
+                self._requests[rid] = pick.worker.address
+            sent = False
+            try:
+                async for item in getattr(stub, method)(request, timeout=self._timeout()):
+                    sent = True
+                    yield item
+            except grpc.aio.AioRpcError as exc:
+                self.app.table.finish(wid, ticket, False, exc.code().name)
+                if (
+                    attempt == 1
+                    and not sent
+                    and exc.code() == grpc.StatusCode.UNAVAILABLE
+                    and self._retryable(method, context)
+                ):
+                    self.app.table.count("proxy_retries")
+                    exclude = (wid,)
+                    continue
+                raise error_from_rpc(exc) from None
+            finally:
+                self._requests.pop(rid, None)
+            self.app.table.finish(wid, ticket, True)
+            return
+
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        async for item in self._stream("Generate", request, context, request.session_key):
+            yield item
+
+    async def Synthesize(
+        self, request: worker_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.SynthesizeResponse]:
+        async for item in self._stream("Synthesize", request, context):
+            yield item
+
+    async def Encode(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("Encode", request, context)
+
+    async def GenerateImage(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("GenerateImage", request, context)
+
+    async def Invoke(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("Invoke", request, context)
+
+    async def GetInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("GetInfo", request, context)
+
+    async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("GetLoad", request, context)
+
+    async def LoadModel(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary("LoadModel", request, context)
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        address = self._requests.get(request.request_id)
+        if address is None:
+            return worker_pb2.AbortResponse(found=False)
+        stub = worker_pb2_grpc.WorkerServiceStub(self.app.channel(address))
+        try:
+            return await stub.Abort(request, timeout=self._timeout())
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
 
 class RouterApp(ServiceApp):
-    """Watches workers in discovery; answers Pick and ListWorkers."""
+    """Watches workers in discovery, polls their load; answers Pick and proxies calls."""
 
     name = "router"
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self.table = WorkerTable()
-        self._watch: asyncio.Task[None] | None = None
+        self.table = WorkerTable(
+            breaker_threshold=settings.breaker_threshold,
+            breaker_cooldown_s=settings.breaker_cooldown_s,
+        )
+        self.runtime: Runtime | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._channels: dict[str, TracedChannel] = {}
+        self.index: PrefixIndex | None = None
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self), server)
-        return [router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name]
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(ProxyServicer(self), server)
+        return [
+            router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name,
+            worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+        ]
 
     async def start(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        if self.settings.kv_index == "grpc":
+            self.index = GrpcPrefixIndex(self._index_address)
+        elif self.settings.kv_index == "redis":
+            self.index = RedisPrefixIndex(self.settings.redis_url)
         first = asyncio.get_running_loop().create_future()
-        self._watch = asyncio.create_task(self._follow(runtime, first))
+        self._tasks.append(asyncio.create_task(self._follow(runtime, first)))
         # SERVING only once the first listing of workers is in.
         await asyncio.wait_for(first, timeout=self.settings.call_timeout_s)
+        if self.settings.health_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._poll_health()))
+
+    async def _index_address(self) -> str:
+        if self.settings.kv_index_addr:
+            return self.settings.kv_index_addr
+        assert self.runtime is not None
+        found = await self.runtime.registry.list("kv-index")
+        if not found:
+            raise Unavailable("no kv-index is registered in discovery")
+        return found[0].address
+
+    async def pick(
+        self,
+        role: str,
+        strategy_enum: int,
+        *,
+        exclude: tuple[str, ...] = (),
+        operation: str = "",
+        session_key: str = "",
+        namespace: str = "",
+        hashes: list[bytes] | None = None,
+        temperature: float = 0.0,
+    ) -> PickResult:
+        if not role:
+            raise InvalidArgument("role is required (e.g. 'llm', 'encoder', 'diffusion')")
+        strategy = strategy_name(strategy_enum, self.settings.strategy_for(role))
+        reach, fallback = None, ""
+        if strategy == "kv_aware":
+            reach, fallback = await self._match(namespace, hashes or [])
+        return self.table.pick(
+            role,
+            strategy,
+            exclude,
+            operation,
+            session_key=session_key,
+            reach=reach,
+            prompt_blocks=len(hashes or []),
+            temperature=temperature or self.settings.kv_temperature,
+            load_weight=self.settings.kv_load_weight,
+            fallback_reason=fallback,
+        )
+
+    async def _match(self, namespace: str, hashes: list[bytes]) -> tuple[Any, str]:
+        if not hashes:
+            return [], ""
+        if self.index is None:
+            self.table.count("kv_fallback_off")
+            return None, "kv index is off: load only"
+        try:
+            reach = await asyncio.wait_for(
+                self.index.match(namespace, hashes), self.settings.kv_index_timeout_s
+            )
+        except TimeoutError:
+            self.table.count("kv_fallback_timeout")
+            return None, "kv index timed out: load only"
+        except OmniflowError as exc:
+            self.table.count("kv_fallback_error")
+            return None, f"kv index failed ({exc.code_name}): load only"
+        return reach, ""
 
     async def _follow(self, runtime: Runtime, first: asyncio.Future[None]) -> None:
         while True:
@@ -92,27 +340,48 @@ class RouterApp(ServiceApp):
                 log.warning("worker watch failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    async def _poll_health(self) -> None:
+        while True:
+            workers = self.table.list()
+            loads = await asyncio.gather(*(self.load_of(w) for w in workers))
+            for w, load in zip(workers, loads, strict=True):
+                queue = 0 if load is None else load.running_requests + load.waiting_requests
+                self.table.set_health(w.worker_id, load is not None, queue)
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    def channel(self, address: str) -> TracedChannel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = open_channel(address, default_timeout_s=self.settings.load_timeout_s)
+            channel = open_channel(
+                address, default_timeout_s=self.settings.proxy_timeout_s, max_in_flight=None
+            )
             self._channels[address] = channel
         return channel
 
     async def load_of(self, worker: WorkerRecord) -> common_pb2.WorkerLoad | None:
         """A worker's load, or None when it does not answer within the load deadline."""
-        stub = worker_pb2_grpc.WorkerServiceStub(self._channel(worker.address))
+        stub = worker_pb2_grpc.WorkerServiceStub(self.channel(worker.address))
+        started = time.perf_counter()
         try:
-            reply = await stub.GetLoad(worker_pb2.GetLoadRequest())
+            reply = await stub.GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=self.settings.load_timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
-            log.debug("GetLoad of %s failed: %s", worker.worker_id, exc.code().name)
+            log.debug(
+                "GetLoad of %s failed after %.1f ms: %s",
+                worker.worker_id,
+                (time.perf_counter() - started) * 1e3,
+                exc.code().name,
+            )
             return None
         return reply.load
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+                await task
+        if self.index is not None:
+            await self.index.close()
         for channel in self._channels.values():
             await channel.close()

@@ -1,0 +1,240 @@
+"""The coordinator's WorkerCaller over gRPC: the router's ``Pick`` and worker stubs.
+
+Built-in operations map to their WorkerService methods (``generate`` → Generate,
+``synthesize`` → Synthesize, ``encode`` → Encode, ``generate_image`` → GenerateImage);
+any other operation goes through ``Invoke`` with the node's params merged into its
+inputs. Cancelling the awaiting task cancels the RPC, so a cancelled run or a missed
+deadline also ends the call on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from omniflow.api.common.v1 import common_pb2
+from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
+from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.errors import InvalidArgument, OmniflowError
+from omniflow.rpc.client import open_channel
+from omniflow.rpc.interceptors import TracedChannel
+from omniflow.rpc.status import error_from_rpc
+from omniflow.values import from_python, to_python
+from omniflow_services.coordinator.engine import CallRequest, ChunkSink, Target
+
+log = logging.getLogger(__name__)
+
+_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def sampling_params(params: dict[str, Any]) -> common_pb2.SamplingParams:
+    sp = common_pb2.SamplingParams()
+    for key in _SAMPLING:
+        if key in params:
+            setattr(sp, key, params[key])
+    if "seed" in params:
+        sp.seed = int(params["seed"])
+    if "stop" in params:
+        stop = params["stop"]
+        sp.stop.extend([stop] if isinstance(stop, str) else list(stop))
+    if params.get("ignore_eos"):
+        sp.ignore_eos = True
+    return sp
+
+
+_FINISH = {
+    worker_pb2.FINISH_REASON_STOP: "stop",
+    worker_pb2.FINISH_REASON_LENGTH: "length",
+    worker_pb2.FINISH_REASON_ABORT: "abort",
+    worker_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+class GrpcWorkerCaller:
+    """Picks through the router and calls workers over cached channels."""
+
+    def __init__(
+        self,
+        router: Callable[[], Awaitable[router_pb2_grpc.RouterServiceStub]],
+        *,
+        pick_timeout_s: float = 2.0,
+        call_timeout_s: float = 300.0,
+    ) -> None:
+        self._router = router
+        self.pick_timeout_s, self.call_timeout_s = pick_timeout_s, call_timeout_s
+        self._channels: dict[str, TracedChannel] = {}
+        self._reports: set[asyncio.Task[None]] = set()
+
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = open_channel(
+                address, default_timeout_s=self.call_timeout_s, max_in_flight=None
+            )
+            self._channels[address] = channel
+        return worker_pb2_grpc.WorkerServiceStub(channel)
+
+    async def pick(self, req: CallRequest, exclude: tuple[str, ...]) -> Target:
+        stub = await self._router()
+        timeout = self.pick_timeout_s
+        if req.timeout_s is not None:
+            timeout = min(timeout, req.timeout_s)
+        try:
+            reply = await stub.Pick(
+                router_pb2.PickRequest(
+                    role=req.role,
+                    strategy=req.strategy,  # type: ignore[arg-type]
+                    session_key=req.session_key,
+                    exclude_worker_ids=list(exclude),
+                    operation=req.operation,
+                    prompt_tokens=len(str(req.inputs.get("prompt", ""))) // 4,
+                ),
+                timeout=timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        return Target(reply.worker.worker_id, reply.worker.address)
+
+    async def invoke(
+        self, target: Target, req: CallRequest, on_chunk: ChunkSink | None
+    ) -> dict[str, Any]:
+        stub = self._stub(target.address)
+        try:
+            if req.operation == "generate":
+                return await self._generate(stub, req, on_chunk)
+            if req.operation == "synthesize":
+                return await self._synthesize(stub, req, on_chunk)
+            if req.operation == "encode":
+                return await self._encode(stub, req)
+            if req.operation == "generate_image":
+                return await self._image(stub, req)
+            inputs = {**req.params, **req.inputs}
+            reply = await stub.Invoke(
+                worker_pb2.InvokeRequest(
+                    request_id=req.request_id,
+                    operation=req.operation,
+                    inputs={k: from_python(v, f"input {k!r}") for k, v in inputs.items()},
+                ),
+                timeout=req.timeout_s,
+            )
+            return {k: to_python(v) for k, v in reply.outputs.items()}
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    async def _generate(
+        self, stub: worker_pb2_grpc.WorkerServiceStub, req: CallRequest, on_chunk: ChunkSink | None
+    ) -> dict[str, Any]:
+        prompt = req.inputs.get("prompt")
+        if not isinstance(prompt, str):
+            raise InvalidArgument("generate needs a text input 'prompt'")
+        call = stub.Generate(
+            worker_pb2.GenerateRequest(
+                request_id=req.request_id,
+                text=prompt,
+                sampling=sampling_params(req.params),
+                session_key=str(req.inputs.get("session") or req.session_key),
+            ),
+            timeout=req.timeout_s,
+        )
+        parts: list[str] = []
+        out: dict[str, Any] = {"finish_reason": ""}
+        async for chunk in call:
+            if chunk.text:
+                parts.append(chunk.text)
+                if on_chunk is not None:
+                    await on_chunk("text", chunk.text)
+            if chunk.finish_reason:
+                out["finish_reason"] = _FINISH.get(chunk.finish_reason, "")
+                out["prompt_tokens"] = chunk.usage.prompt_tokens
+                out["cached_tokens"] = chunk.usage.cached_tokens
+                out["completion_tokens"] = chunk.usage.completion_tokens
+        out["text"] = "".join(parts)
+        return out
+
+    async def _synthesize(
+        self, stub: worker_pb2_grpc.WorkerServiceStub, req: CallRequest, on_chunk: ChunkSink | None
+    ) -> dict[str, Any]:
+        call = stub.Synthesize(
+            worker_pb2.SynthesizeRequest(
+                request_id=req.request_id,
+                text=str(req.inputs.get("text", "")),
+                voice=str(req.params.get("voice", "")),
+                sample_rate=int(req.params.get("sample_rate", 0)),
+            ),
+            timeout=req.timeout_s,
+        )
+        pcm: list[bytes] = []
+        out: dict[str, Any] = {"wav": b"", "sample_rate": 0}
+        async for chunk in call:
+            pcm.append(chunk.pcm_s16le)
+            out["sample_rate"] = chunk.sample_rate
+            if on_chunk is not None and chunk.pcm_s16le:
+                await on_chunk("pcm", chunk.pcm_s16le)
+            if chunk.last:
+                out["wav"] = chunk.wav
+        out["pcm"] = b"".join(pcm)
+        return out
+
+    async def _encode(
+        self, stub: worker_pb2_grpc.WorkerServiceStub, req: CallRequest
+    ) -> dict[str, Any]:
+        media = req.inputs.get("media")
+        items = media if isinstance(media, list) else [media]
+        if not all(isinstance(m, common_pb2.MediaItem) for m in items):
+            raise InvalidArgument("encode needs 'media': a media item or a list of them")
+        reply = await stub.Encode(
+            worker_pb2.EncodeRequest(request_id=req.request_id, items=items),
+            timeout=req.timeout_s,
+        )
+        return {
+            "items": [{"item_id": i.item_id, "embeddings": i.embeddings} for i in reply.items],
+            "cache_hits": reply.cache_hits,
+        }
+
+    async def _image(
+        self, stub: worker_pb2_grpc.WorkerServiceStub, req: CallRequest
+    ) -> dict[str, Any]:
+        p = req.params
+        msg = worker_pb2.GenerateImageRequest(
+            request_id=req.request_id,
+            text=str(req.inputs.get("prompt", "")),
+            width=int(p.get("width", 0)),
+            height=int(p.get("height", 0)),
+            steps=int(p.get("steps", 0)),
+            guidance_scale=float(p.get("guidance_scale", 0.0)),
+            return_ref=bool(p.get("return_ref", False)),
+        )
+        if "seed" in p:
+            msg.seed = int(p["seed"])
+        reply = await stub.GenerateImage(msg, timeout=req.timeout_s)
+        image: Any = reply.ref if reply.HasField("ref") else reply.png
+        return {"image": image, "width": reply.width, "height": reply.height}
+
+    async def report(self, target: Target, ok: bool, latency_ms: float, code: str) -> None:
+        # Off the critical path: the run does not wait for the router to take note.
+        task = asyncio.create_task(self._report(target, ok, latency_ms, code))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report(self, target: Target, ok: bool, latency_ms: float, code: str) -> None:
+        try:
+            stub = await self._router()
+            await stub.ReportOutcome(
+                router_pb2.ReportOutcomeRequest(
+                    worker_id=target.worker_id, success=ok, latency_ms=latency_ms, error_code=code
+                ),
+                timeout=self.pick_timeout_s,
+            )
+        except (grpc.aio.AioRpcError, OmniflowError) as exc:
+            log.debug("ReportOutcome for %s failed: %s", target.worker_id, exc)
+
+    async def close(self) -> None:
+        for task in list(self._reports):
+            task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -1,0 +1,417 @@
+"""Runs: submission with a bounded number in progress, live events, records in Redis.
+
+Key layout (Redis):
+
+- ``omniflow:run:{id}``: the ``Run`` record, serialized; rewritten as the run moves.
+- ``omniflow:run:{id}:events``: a list of serialized ``RunEvent``, in sequence order.
+- ``omniflow:runs:active``: hash run id → id of the coordinator running it.
+- ``omniflow:coordinator:{id}:lease``: present (with a TTL) while that coordinator lives.
+
+Events are kept in memory while a run is live and flushed to Redis in small batches
+(every ``flush_interval_s`` and at the end), so a hop costs no Redis round trip.
+Finished runs are kept for ``run_ttl_s``.
+
+Restart behaviour: a run is not resumed. When a coordinator starts, every active run
+whose coordinator has no live lease (or is this coordinator's own id, from before a
+restart) is marked FAILED with the reason "interrupted: coordinator ... restarted or
+died while the run was in progress"; its stream ends with that RunFinished event.
+Finished runs answer GetRun and StreamRunEvents from Redis after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+from opentelemetry import trace
+
+from omniflow import telemetry
+from omniflow.api.common.v1 import common_pb2
+from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
+from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted
+from omniflow.values import VType, check_type, from_python, to_python
+from omniflow_services.coordinator.core import WorkflowCatalogue
+from omniflow_services.coordinator.engine import (
+    Executor,
+    NodeFailed,
+    NodeLimits,
+    WorkerCaller,
+    current_trace_id,
+)
+
+log = logging.getLogger(__name__)
+
+ACTIVE_KEY = "omniflow:runs:active"
+TERMINAL = (cpb.RUN_STATE_SUCCEEDED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_CANCELLED)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def run_key(run_id: str) -> str:
+    return f"omniflow:run:{run_id}"
+
+
+class LiveRun:
+    """A run in progress on this coordinator: record, events, and its task."""
+
+    def __init__(self, run: cpb.Run) -> None:
+        self.run = run
+        self.events: list[cpb.RunEvent] = []
+        self.flushed = 0
+        self.changed = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.cancel_reason = ""
+        self.nodes: dict[str, cpb.NodeState] = {}
+        self.started: dict[str, float] = {}
+
+    def emit(self, **event: Any) -> None:
+        ev = cpb.RunEvent(run_id=self.run.run_id, seq=len(self.events) + 1, unix_ms=_now_ms())
+        for key, value in event.items():
+            getattr(ev, key).CopyFrom(value)
+        self.events.append(ev)
+        self.changed.set()
+
+    # -- RunSink
+    def node_started(self, path: str, worker_id: str, attempt: int) -> None:
+        state = self.nodes.get(path)
+        if state is None:
+            state = self.nodes[path] = cpb.NodeState(node=path, started_unix_ms=_now_ms())
+        state.state, state.worker_id, state.attempts = cpb.RUN_STATE_RUNNING, worker_id, attempt
+        self.emit(node_started=cpb.NodeStarted(node=path, worker_id=worker_id, attempt=attempt))
+
+    def node_output(self, path: str, output: str, chunk: Any) -> None:
+        value = from_python(chunk, f"output {output!r} of node {path!r}")
+        self.emit(node_output=cpb.NodeOutputChunk(node=path, output=output, chunk=value))
+
+    def node_finished(self, path: str, state: int, error: str, duration_ms: float) -> None:
+        ns = self.nodes.setdefault(path, cpb.NodeState(node=path, started_unix_ms=_now_ms()))
+        ns.state, ns.error, ns.finished_unix_ms = state, error, _now_ms()  # type: ignore[assignment]
+        self.emit(
+            node_finished=cpb.NodeFinished(
+                node=path,
+                state=state,
+                error=error,
+                duration_ms=duration_ms,  # type: ignore[arg-type]
+            )
+        )
+
+    def record(self) -> cpb.Run:
+        run = cpb.Run()
+        run.CopyFrom(self.run)
+        del run.nodes[:]
+        run.nodes.extend(self.nodes.values())
+        return run
+
+
+class RunManager:
+    """Starts, tracks, cancels and records runs; the coordinator's core for runs."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        caller: WorkerCaller,
+        *,
+        owner_id: str,
+        max_runs: int = 256,
+        run_ttl_s: float = 86_400.0,
+        max_inline_bytes: int = 4 * 1024 * 1024,
+        flush_interval_s: float = 0.05,
+        lease_ttl_s: float = 10.0,
+    ) -> None:
+        self.redis, self.caller, self.owner_id = redis, caller, owner_id
+        self.catalogue = WorkflowCatalogue(redis)
+        self.max_runs, self.run_ttl_s = max_runs, run_ttl_s
+        self.max_inline_bytes = max_inline_bytes
+        self.flush_interval_s, self.lease_ttl_s = flush_interval_s, lease_ttl_s
+        self.live: dict[str, LiveRun] = {}
+        self.limits: dict[str, NodeLimits] = {}
+        self._background: list[asyncio.Task[None]] = []
+
+    # -- lifecycle
+    async def start(self) -> int:
+        """Take the lease, fail runs orphaned by a dead coordinator; returns how many."""
+        await self._refresh_lease()
+        orphaned = await self.recover()
+        self._background = [
+            asyncio.create_task(self._lease_loop()),
+            asyncio.create_task(self._flush_loop()),
+        ]
+        return orphaned
+
+    async def recover(self) -> int:
+        active = await self.redis.hgetall(ACTIVE_KEY)
+        failed = 0
+        for raw_id, raw_owner in active.items():
+            run_id, owner = raw_id.decode(), raw_owner.decode()
+            if run_id in self.live:
+                continue
+            alive = owner != self.owner_id and await self.redis.exists(
+                f"omniflow:coordinator:{owner}:lease"
+            )
+            if alive:
+                continue
+            await self._fail_orphan(run_id, owner)
+            failed += 1
+        if failed:
+            log.warning("marked %d interrupted run(s) failed", failed)
+        return failed
+
+    async def _fail_orphan(self, run_id: str, owner: str) -> None:
+        data = await self.redis.get(run_key(run_id))
+        run = cpb.Run()
+        if data is not None:
+            run.ParseFromString(data)
+        if run.state not in TERMINAL:
+            reason = (
+                f"interrupted: coordinator {owner} restarted or died while the run was in "
+                "progress (runs are not resumed)"
+            )
+            run.state, run.error, run.finished_unix_ms = cpb.RUN_STATE_FAILED, reason, _now_ms()
+            seq = await self.redis.llen(f"{run_key(run_id)}:events")
+            ev = cpb.RunEvent(run_id=run_id, seq=seq + 1, unix_ms=_now_ms())
+            ev.run_finished.state, ev.run_finished.error = cpb.RUN_STATE_FAILED, reason
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.set(run_key(run_id), run.SerializeToString(), ex=int(self.run_ttl_s))
+                pipe.rpush(f"{run_key(run_id)}:events", ev.SerializeToString())
+                pipe.expire(f"{run_key(run_id)}:events", int(self.run_ttl_s))
+                await pipe.execute()
+        await self.redis.hdel(ACTIVE_KEY, run_id)
+
+    async def _refresh_lease(self) -> None:
+        await self.redis.set(
+            f"omniflow:coordinator:{self.owner_id}:lease", "1", px=int(self.lease_ttl_s * 1000)
+        )
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ttl_s / 3)
+            try:
+                await self._refresh_lease()
+            except Exception as exc:  # Redis hiccup: try again next period
+                log.warning("lease refresh failed: %s", exc)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_interval_s)
+            for live in list(self.live.values()):
+                if live.flushed < len(live.events):
+                    try:
+                        await self._flush(live)
+                    except Exception as exc:
+                        log.warning("flush of run %s failed: %s", live.run.run_id, exc)
+
+    async def _flush(self, live: LiveRun, final: bool = False) -> None:
+        key = run_key(live.run.run_id)
+        pending = live.events[live.flushed :]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if pending:
+                pipe.rpush(f"{key}:events", *[e.SerializeToString() for e in pending])
+            pipe.set(key, live.record().SerializeToString())
+            if final:
+                pipe.expire(key, int(self.run_ttl_s))
+                pipe.expire(f"{key}:events", int(self.run_ttl_s))
+                pipe.hdel(ACTIVE_KEY, live.run.run_id)
+            await pipe.execute()
+        live.flushed += len(pending)
+
+    async def stop(self) -> None:
+        """Cancel live runs (recorded as cancelled by shutdown), stop background tasks."""
+        for live in list(self.live.values()):
+            live.cancel_reason = "coordinator shutting down"
+            if live.task is not None:
+                live.task.cancel()
+        tasks = [lv.task for lv in self.live.values() if lv.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        for task in self._background:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(Exception):
+            await self.redis.delete(f"omniflow:coordinator:{self.owner_id}:lease")
+
+    # -- runs
+    def _check_inputs(
+        self, graph: cpb.WorkflowGraph, inputs: Mapping[str, common_pb2.Value]
+    ) -> dict[str, Any]:
+        ports = {p.name: p for p in graph.inputs}
+        for name in inputs:
+            if name not in ports:
+                raise InvalidArgument(
+                    f"workflow {graph.name!r} has no input {name!r}; inputs: "
+                    f"{', '.join(ports) or 'none'}"
+                )
+        values: dict[str, Any] = {}
+        for name, port in ports.items():
+            if name not in inputs:
+                if not port.optional:
+                    raise InvalidArgument(f"input {name!r} of {graph.name!r} is required")
+                continue
+            value = to_python(inputs[name])
+            check_type(value, VType(port.type), f"input {name!r}")
+            if isinstance(value, bytes) and len(value) > self.max_inline_bytes:
+                raise InvalidArgument(
+                    f"input {name!r} has {len(value)} bytes inline; the limit is "
+                    f"{self.max_inline_bytes}: pass large data as a TensorRef"
+                )
+            values[name] = value
+        return values
+
+    async def submit(
+        self,
+        workflow: str,
+        version: int,
+        inputs: Mapping[str, common_pb2.Value],
+        deadline_ms: int = 0,
+        run_id: str = "",
+    ) -> str:
+        """Start a run; returns its id at once. RESOURCE_EXHAUSTED when at the limit."""
+        if run_id and (run_id in self.live or await self.redis.exists(run_key(run_id))):
+            return run_id  # idempotent resubmission
+        if len(self.live) >= self.max_runs:
+            raise ResourceExhausted(
+                f"{len(self.live)} runs in progress, the limit is {self.max_runs}; retry later"
+            )
+        graph = await self.catalogue.get(workflow, version)
+        values = self._check_inputs(graph, inputs)
+        run_id = run_id or uuid.uuid4().hex
+        deadline_ms = deadline_ms or graph.default_deadline_ms
+        run = cpb.Run(
+            run_id=run_id,
+            workflow=graph.name,
+            version=graph.version,
+            state=cpb.RUN_STATE_RUNNING,
+            inputs=dict(inputs),
+            created_unix_ms=_now_ms(),
+        )
+        span = telemetry.tracer().start_span(f"run {graph.name}")
+        span.set_attribute("omniflow.run_id", run_id)
+        with trace.use_span(span, end_on_exit=False):
+            run.trace_id = current_trace_id()
+            live = LiveRun(run)
+            self.live[run_id] = live
+            await self.redis.hset(ACTIVE_KEY, run_id, self.owner_id)
+            # The task inherits this context: every node call is a child of the run span.
+            live.task = asyncio.create_task(self._execute(live, graph, values, deadline_ms, span))
+        return run_id
+
+    async def _execute(
+        self,
+        live: LiveRun,
+        graph: cpb.WorkflowGraph,
+        values: dict[str, Any],
+        deadline_ms: int,
+        span: trace.Span,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_ms / 1000 if deadline_ms else None
+        limits = self.limits.setdefault(f"{graph.name}:{graph.version}", NodeLimits())
+        executor = Executor(
+            self.caller, live, live.run.run_id, limits, f"{graph.name}:{graph.version}", deadline
+        )
+        state, error, outputs = cpb.RUN_STATE_SUCCEEDED, "", {}
+        try:
+            async with asyncio.timeout_at(deadline):
+                outputs = await executor.run(values, list(graph.nodes), graph.outputs)
+        except NodeFailed as exc:
+            state, error = cpb.RUN_STATE_FAILED, str(exc)
+        except TimeoutError:
+            running = sorted(p for p, n in live.nodes.items() if n.state == cpb.RUN_STATE_RUNNING)
+            state = cpb.RUN_STATE_FAILED
+            error = f"deadline of {deadline_ms} ms exceeded; cancelled nodes: "
+            error += ", ".join(running) or "none"
+        except asyncio.CancelledError:
+            state, error = cpb.RUN_STATE_CANCELLED, live.cancel_reason or "cancelled"
+        except Exception as exc:  # a bug: the run fails with it rather than hanging
+            log.exception("run %s", live.run.run_id)
+            state, error = cpb.RUN_STATE_FAILED, f"internal error: {exc!r}"
+        for ns in live.nodes.values():
+            if ns.state == cpb.RUN_STATE_RUNNING:
+                ns.state, ns.finished_unix_ms = cpb.RUN_STATE_CANCELLED, _now_ms()
+        try:
+            out_values = {k: from_python(v, f"output {k!r}") for k, v in outputs.items()}
+        except InvalidArgument as exc:
+            state, error, out_values = cpb.RUN_STATE_FAILED, str(exc), {}
+        run = live.run
+        run.state, run.error, run.finished_unix_ms = state, error, _now_ms()  # type: ignore[assignment]
+        for k, v in out_values.items():
+            run.outputs[k].CopyFrom(v)
+        live.emit(
+            run_finished=cpb.RunFinished(state=state, outputs=out_values, error=error)  # type: ignore[arg-type]
+        )
+        if state != cpb.RUN_STATE_SUCCEEDED:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+        span.end()
+        try:
+            await asyncio.shield(self._flush(live, final=True))
+        except Exception as exc:
+            log.error("could not record run %s: %s", run.run_id, exc)
+        finally:
+            self.live.pop(run.run_id, None)
+
+    async def get(self, run_id: str) -> cpb.Run:
+        live = self.live.get(run_id)
+        if live is not None:
+            return live.record()
+        data = await self.redis.get(run_key(run_id))
+        if data is None:
+            kept = f"finished runs are kept {self.run_ttl_s:.0f} s"
+            raise NotFound(f"unknown run {run_id!r} ({kept})")
+        run = cpb.Run()
+        run.ParseFromString(data)
+        return run
+
+    async def events(self, run_id: str, from_seq: int = 0) -> AsyncIterator[cpb.RunEvent]:
+        """Every event with ``seq >= from_seq``, then live ones until the run finishes."""
+        live = self.live.get(run_id)
+        if live is None:
+            async for ev in self._stored_events(run_id, from_seq):
+                yield ev
+            return
+        index = max(from_seq - 1, 0)
+        while True:
+            while index < len(live.events):
+                ev = live.events[index]
+                index += 1
+                yield ev
+                if ev.HasField("run_finished"):
+                    return
+            live.changed.clear()
+            if index < len(live.events):
+                continue
+            await live.changed.wait()
+
+    async def _stored_events(self, run_id: str, from_seq: int) -> AsyncIterator[cpb.RunEvent]:
+        if not await self.redis.exists(run_key(run_id)):
+            raise NotFound(f"unknown run {run_id!r}")
+        key = f"{run_key(run_id)}:events"
+        start = max(from_seq - 1, 0)
+        while True:
+            batch = await self.redis.lrange(key, start, start + 255)
+            for raw in batch:
+                ev = cpb.RunEvent()
+                ev.ParseFromString(raw)
+                yield ev
+            if len(batch) < 256:
+                return
+            start += len(batch)
+
+    async def cancel(self, run_id: str, reason: str = "") -> int:
+        """Cancel a live run (its in-flight calls are cancelled); returns the state."""
+        live = self.live.get(run_id)
+        if live is None:
+            return (await self.get(run_id)).state
+        live.cancel_reason = f"cancelled: {reason}" if reason else "cancelled by the client"
+        if live.task is not None:
+            live.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(live.task)
+        return cpb.RUN_STATE_CANCELLED

@@ -1,0 +1,110 @@
+"""How the router asks the KV index which owners hold a prompt's leading blocks.
+
+Two ways, behind one small interface: the kv-index's gRPC ``MatchPrefix`` (the normal
+one), or the index core straight against its Redis (for deployments, tests and benches
+where the kv-index edge is not there). Either answers within the router's deadline or
+the pick falls back to load only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
+
+import grpc
+
+from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
+from omniflow.rpc.client import open_channel
+from omniflow.rpc.interceptors import TracedChannel
+from omniflow.rpc.status import error_from_rpc
+from omniflow_services.router.core import Reach
+
+_KIND = {kvindex_pb2.OWNER_KIND_WORKER: "worker", kvindex_pb2.OWNER_KIND_AGENT: "agent"}
+
+
+class PrefixIndex(Protocol):
+    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[Reach]: ...
+
+    async def close(self) -> None: ...
+
+
+class GrpcPrefixIndex:
+    """``MatchPrefix`` on the kv-index service (address from settings or discovery)."""
+
+    def __init__(self, resolve: Callable[[], Awaitable[str]]) -> None:
+        self._resolve = resolve
+        self._channel: tuple[str, TracedChannel] | None = None
+
+    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[Reach]:
+        address = await self._resolve()
+        if self._channel is None or self._channel[0] != address:
+            if self._channel is not None:
+                await self._channel[1].close()
+            self._channel = (address, open_channel(address, max_in_flight=None))
+        stub = kvindex_pb2_grpc.KVIndexServiceStub(self._channel[1])
+        try:
+            reply = await stub.MatchPrefix(
+                kvindex_pb2.MatchPrefixRequest(namespace=namespace, block_hashes=list(hashes))
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        merged: dict[str, list[int]] = {}
+        meta: dict[str, kvindex_pb2.OwnerMatch] = {}
+        for o in reply.owners:
+            # One row per owner and tier: the leading blocks it holds in that tier.
+            per_tier = merged.setdefault(o.owner_id, [0, 0, 0])
+            tier = max(o.tier - 1, 0)
+            per_tier[tier] = max(per_tier[tier], o.matched_blocks)
+            meta.setdefault(o.owner_id, o)
+        return [
+            Reach(
+                owner_id=oid,
+                kind=_KIND.get(meta[oid].kind, "agent"),
+                node=meta[oid].node,
+                address=meta[oid].address,
+                matched_blocks=max(per_tier),
+                blocks_per_tier=(per_tier[0], per_tier[1], per_tier[2]),
+            )
+            for oid, per_tier in merged.items()
+        ]
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel[1].close()
+
+
+class RedisPrefixIndex:
+    """The index core (``omniflow_services.kv_index.core.KVIndex``) on the index's Redis."""
+
+    def __init__(self, redis_url: str) -> None:
+        import redis.asyncio as aioredis
+
+        from omniflow_services.kv_index.core import KVIndex
+
+        self._redis = aioredis.from_url(redis_url)
+        self._index = KVIndex(self._redis)
+        self._started = False
+        self._lock = asyncio.Lock()
+
+    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[Reach]:
+        if not self._started:
+            async with self._lock:
+                if not self._started:
+                    await self._index.start()
+                    self._started = True
+        result = await self._index.match_prefix(bytes.fromhex(namespace), list(hashes))
+        return [
+            Reach(
+                owner_id=o.owner_id,
+                kind=str(o.kind),
+                node=o.node,
+                address=o.address,
+                matched_blocks=o.matched_blocks,
+                blocks_per_tier=o.blocks_per_tier,
+            )
+            for o in result.owners
+        ]
+
+    async def close(self) -> None:
+        await self._redis.aclose()
