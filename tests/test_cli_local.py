@@ -36,10 +36,16 @@ def test_up_status_down_leaves_no_process(tmp_path: Path) -> None:
     except LocalRedisError as exc:
         pytest.skip(f"needs a redis-server: {exc}")
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMNIFLOW_RUN_DIR": str(run_dir)}
+    env = {
+        **os.environ,
+        "OMNIFLOW_RUN_DIR": str(run_dir),
+        "OMNIFLOW_MODELS_DIR": str(tmp_path / "models"),
+    }
     env.pop("OMNIFLOW_REDIS_URL", None)  # up must start its own Redis
     topology = tmp_path / "topology.yaml"
-    topology.write_text("node: test-node\nworkers:\n  - {role: llm, count: 2}\n")
+    topology.write_text(
+        'node: test-node\nworkers:\n  - {role: llm, count: 2, model: "tiny:qwen2"}\n'
+    )
     pids: list[int] = []
     try:
         up = _run(["up", "--topology", str(topology)], env)
@@ -54,6 +60,8 @@ def test_up_status_down_leaves_no_process(tmp_path: Path) -> None:
             line = next(x for x in up.stdout.splitlines() if x.startswith(name + " "))
             assert line.rstrip().endswith("SERVING"), up.stdout
         assert (run_dir / "logs" / "llm-2.log").exists()
+        # Both workers loaded the one tiny model generated on first start.
+        assert (tmp_path / "models" / "tiny-qwen2" / "model.safetensors").exists()
 
         status = _run(["status"], env)
         assert status.returncode == 0, status.stdout

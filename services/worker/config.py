@@ -15,7 +15,25 @@ class WorkerSettings(CommonSettings):
 
     role: str = setting("OMNIFLOW_WORKER_ROLE", "llm", "role this worker serves", choices=ROLES)
     model: str = setting(
-        "OMNIFLOW_WORKER_MODEL", "", "model folder (Hugging Face format); empty: no model loaded"
+        "OMNIFLOW_WORKER_MODEL",
+        "",
+        "model folder (Hugging Face format), or tiny:qwen2 / tiny:llama for a small random "
+        "model generated on first use; empty: no model loaded",
+    )
+    models_dir: str = setting(
+        "OMNIFLOW_MODELS_DIR", "~/.cache/omniflow/models", "where tiny:<arch> models are written"
+    )
+    kv_cache_bytes: int = setting(
+        "OMNIFLOW_WORKER_KV_BYTES", 256 * 1024 * 1024, "device KV pool size in bytes", minimum=1
+    )
+    max_batch_tokens: int = setting(
+        "OMNIFLOW_WORKER_MAX_BATCH_TOKENS", 512, "token budget of one engine step", minimum=1
+    )
+    max_seqs: int = setting(
+        "OMNIFLOW_WORKER_MAX_SEQS", 64, "requests batched in one engine step", minimum=1
+    )
+    default_max_tokens: int = setting(
+        "OMNIFLOW_WORKER_DEFAULT_MAX_TOKENS", 64, "max_tokens when a request sets 0", minimum=1
     )
     engine: str = setting(
         "OMNIFLOW_WORKER_ENGINE", "torch", "engine backend", choices=("torch", "sglang")

@@ -1,11 +1,18 @@
-"""The worker's core state as the control plane sees it: role, operations, load.
-
-The engines (LLM, encoders, diffusion, talker) plug in here; this module has no gRPC.
-"""
+"""The worker's core: its role and, once loaded, its engine (no gRPC here)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
+
+from omniflow.errors import FailedPrecondition, InvalidArgument, Unimplemented
+from omniflow.models.resolve import resolve_model
+from omniflow_services.worker.config import WorkerSettings
+from omniflow_services.worker.engine import EngineConfig
+from omniflow_services.worker.llm import LLMRole
+
+log = logging.getLogger(__name__)
 
 # Operations each role serves once its engine is loaded.
 ROLE_OPERATIONS: dict[str, tuple[str, ...]] = {
@@ -24,21 +31,59 @@ class Load:
     waiting: int = 0
     free_pages: int = 0
     total_pages: int = 0
-    tokens_per_second: float = 0.0
 
 
 class WorkerCore:
-    """A worker's role and (once loaded) engine."""
+    """A worker's role and engine."""
 
-    def __init__(self, role: str, model: str = "") -> None:
-        self.role = role
-        self.model = model
-        self.kv_namespace = ""
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.role = settings.role
+        self.model = ""
+        self.llm: LLMRole | None = None
+
+    @property
+    def kv_namespace(self) -> str:
+        return self.llm.kv_namespace if self.llm else ""
 
     @property
     def operations(self) -> tuple[str, ...]:
-        return ROLE_OPERATIONS.get(self.role, ())
+        return ROLE_OPERATIONS.get(self.role, ()) if self.model else ()
 
-    def load(self) -> Load:
-        # No engine is attached in this build: nothing runs, nothing waits.
-        return Load()
+    async def load(self, spec: str, dtype: str | None = None) -> None:
+        """Load ``spec`` (a folder or tiny:<arch>) and warm the engine up."""
+        if self.role != "llm":
+            raise Unimplemented(
+                f"models for role {self.role!r} need the multimodal roles (Compute Flow part 2)"
+            )
+        s = self.settings
+        dtype = dtype or s.dtype
+        if dtype not in ("float32", "bfloat16"):
+            raise InvalidArgument(f"dtype {dtype!r} is not accepted; accepted: float32, bfloat16")
+        folder = resolve_model(spec, Path(s.models_dir))
+        config = EngineConfig(
+            dtype=dtype,
+            device=s.device,
+            kv_cache_bytes=s.kv_cache_bytes,
+            max_num_batched_tokens=s.max_batch_tokens,
+            max_num_seqs=s.max_seqs,
+        )
+        llm = await LLMRole.load(folder, config)
+        await llm.warm_up()
+        self.llm, self.model = llm, str(folder)
+        log.info("loaded %s (KV namespace %s)", folder, llm.kv_namespace)
+
+    def require_llm(self) -> LLMRole:
+        if self.role != "llm":
+            raise FailedPrecondition(f"this worker's role is {self.role!r}, not 'llm'")
+        if self.llm is None:
+            raise FailedPrecondition(
+                "no model is loaded on this worker: set OMNIFLOW_WORKER_MODEL or call LoadModel"
+            )
+        return self.llm
+
+    def load_now(self) -> Load:
+        if self.llm is None:
+            return Load()
+        e = self.llm.engine.load()
+        return Load(e.running, e.waiting, e.free_pages, e.total_pages)

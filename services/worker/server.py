@@ -9,13 +9,60 @@ import grpc
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.errors import InvalidArgument
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import unimplemented
 from omniflow.workers import WORKER_SERVICE, worker_metadata
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
+from omniflow_services.worker.engine import SamplingParams
+from omniflow_services.worker.llm import ChatTurn, LLMRole, chatml
 
 log = logging.getLogger(__name__)
+
+_FINISH = {
+    "stop": worker_pb2.FINISH_REASON_STOP,
+    "length": worker_pb2.FINISH_REASON_LENGTH,
+    "abort": worker_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params(p: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    """Proto sampling → engine sampling; proto zeros mean "off" / "default"."""
+    return SamplingParams(
+        max_tokens=p.max_tokens or default_max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p if p.top_p else 1.0,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty else 1.0,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=tuple(p.stop_token_ids),
+        stop=tuple(p.stop),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def prompt_ids(llm: LLMRole, request: worker_pb2.GenerateRequest) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    if kind == "text":
+        return llm.tokenize(request.text)
+    if kind == "messages":
+        turns = []
+        for i, m in enumerate(request.messages.messages):
+            texts = []
+            for part in m.content:
+                if part.WhichOneof("part") != "text":
+                    raise InvalidArgument(
+                        f"messages[{i}] has a media part: media in prompts needs the "
+                        "multimodal roles (Compute Flow part 2); send text parts"
+                    )
+                texts.append(part.text)
+            turns.append(ChatTurn(m.role, "".join(texts)))
+        return llm.tokenize(chatml(turns, request.messages.add_generation_prompt))
+    raise InvalidArgument("the request has no prompt: set text, token_ids or messages")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -25,8 +72,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        raise unimplemented("the LLM engine (Compute Flow: LLM worker)")
-        yield  # an async generator, like every streaming handler
+        llm = self.app.core.require_llm()
+        ids = prompt_ids(llm, request)
+        params = sampling_params(request.sampling, self.app.settings.default_max_tokens)
+        if request.prefill_only:
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+        rid = llm.request_id(request.request_id)
+        # Closing this generator (client gone, deadline) closes the engine stream: aborted.
+        async for out in llm.generate(rid, ids, params):
+            reply = worker_pb2.GenerateResponse(
+                request_id=rid, token_ids=out.new_token_ids, text=out.text_delta
+            )
+            if out.finished:
+                reply.finish_reason = _FINISH.get(out.finish_reason or "", 0)
+                reply.usage.CopyFrom(
+                    common_pb2.Usage(
+                        prompt_tokens=out.usage.prompt_tokens,
+                        cached_tokens=out.usage.cached_tokens,
+                        completion_tokens=out.usage.generated_tokens,
+                    )
+                )
+                reply.prompt_block_hashes.extend(llm.prompt_hashes(ids))
+            yield reply
 
     async def Encode(
         self, request: worker_pb2.EncodeRequest, context: grpc.aio.ServicerContext
@@ -47,12 +114,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def LoadModel(
         self, request: worker_pb2.LoadModelRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.LoadModelResponse:
-        raise unimplemented("model loading (Compute Flow: LLM worker)")
+        if request.engine not in ("", "torch"):
+            raise InvalidArgument(
+                f"engine {request.engine!r} cannot be loaded at run time; accepted: torch "
+                "(start the worker with OMNIFLOW_WORKER_ENGINE=sglang for SGLang)"
+            )
+        if not request.model_path:
+            raise InvalidArgument("model_path is required (a folder, or tiny:qwen2 / tiny:llama)")
+        core = self.app.core
+        await core.load(request.model_path, request.dtype or None)
+        if self.app.runtime is not None and self.app.runtime.reregister is not None:
+            await self.app.runtime.reregister()  # the router sees the new namespace
+        layout = core.require_llm().engine.layout
+        return worker_pb2.LoadModelResponse(
+            model=core.model,
+            kv_namespace=core.kv_namespace,
+            kv_layout=common_pb2.KVLayout(
+                model_id=layout.model_id,
+                num_layers=layout.num_layers,
+                num_kv_heads=layout.num_kv_heads,
+                head_dim=layout.head_dim,
+                dtype=layout.dtype,
+                page_size=layout.page_size,
+                lora_id=layout.lora_id,
+            ),
+        )
 
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.AbortResponse:
-        raise unimplemented("request abort (Compute Flow: LLM worker)")
+        llm = self.app.core.require_llm()
+        return worker_pb2.AbortResponse(found=llm.engine.abort(request.request_id))
 
     async def Invoke(
         self, request: worker_pb2.InvokeRequest, context: grpc.aio.ServicerContext
@@ -62,14 +154,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.GetLoadResponse:
-        load = self.app.core.load()
+        load = self.app.core.load_now()
         return worker_pb2.GetLoadResponse(
             load=common_pb2.WorkerLoad(
                 running_requests=load.running,
                 waiting_requests=load.waiting,
                 free_pages=load.free_pages,
                 total_pages=load.total_pages,
-                tokens_per_second=load.tokens_per_second,
             )
         )
 
@@ -97,7 +188,7 @@ class WorkerApp(ServiceApp):
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.core = WorkerCore(settings.role, settings.model)
+        self.core = WorkerCore(settings)
         self.runtime: Runtime | None = None
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
@@ -106,6 +197,9 @@ class WorkerApp(ServiceApp):
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        if self.settings.model:
+            # SERVING only after the model is loaded and a warm-up step has run.
+            await self.core.load(self.settings.model)
 
     def metadata(self) -> dict[str, str]:
         node = self.runtime.node if self.runtime else ""

@@ -40,12 +40,21 @@ def _settings(cls, redis_url: str, **extra):
 
 
 @pytest.fixture
-async def cluster(private_redis) -> AsyncIterator[dict[str, ServiceHost]]:
+async def cluster(private_redis, tmp_path) -> AsyncIterator[dict[str, ServiceHost]]:
     hosts: dict[str, ServiceHost] = {}
     url = private_redis.url
+    llm = _settings(
+        WorkerSettings,
+        url,
+        instance_id="llm-0",
+        role="llm",
+        model="tiny:qwen2",
+        models_dir=str(tmp_path / "models"),
+        kv_cache_bytes=4 * 1024 * 1024,
+    )
     try:
         for name, app in [
-            ("llm", WorkerApp(_settings(WorkerSettings, url, instance_id="llm-0", role="llm"))),
+            ("llm", WorkerApp(llm)),
             ("enc", WorkerApp(_settings(WorkerSettings, url, instance_id="enc-0", role="encoder"))),
             ("router", RouterApp(_settings(RouterSettings, url, instance_id="router-0"))),
             ("coord", CoordinatorApp(_settings(CoordinatorSettings, url, instance_id="coord-0"))),
@@ -106,6 +115,8 @@ async def test_router_lists_and_picks_live_workers(cluster):
         llm = await stub.ListWorkers(router_pb2.ListWorkersRequest(role="llm"))
         assert [w.worker_id for w in llm.workers] == ["llm-0"]
         assert llm.workers[0].operations == ["generate"]
+        assert len(llm.workers[0].kv_namespace) == 32
+        assert llm.workers[0].load.total_pages > 0
         picked = await stub.Pick(router_pb2.PickRequest(role="encoder"))
         assert picked.worker.worker_id == "enc-0"
         assert picked.strategy == router_pb2.STRATEGY_ROUND_ROBIN
@@ -129,13 +140,56 @@ async def test_unknown_argument_gets_invalid_argument_with_what_is_accepted(clus
         assert "role is required" in err.value.details()
 
 
-async def test_later_capabilities_answer_unimplemented_naming_them(cluster):
+async def test_llm_worker_streams_a_reply_and_rejects_bad_input(cluster):
+    from omniflow.api.common.v1 import common_pb2
+    from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    async with open_channel(cluster["llm"].address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        request = worker_pb2.GenerateRequest(
+            text="Hello, Omni-Flow", sampling=common_pb2.SamplingParams(max_tokens=5)
+        )
+        chunks = [c async for c in stub.Generate(request)]
+        tokens = [t for c in chunks for t in c.token_ids]
+        last = chunks[-1]
+        assert len(tokens) == last.usage.completion_tokens
+        assert 1 <= len(tokens) <= 5
+        assert last.finish_reason in (
+            worker_pb2.FINISH_REASON_LENGTH,
+            worker_pb2.FINISH_REASON_STOP,
+        )
+        assert last.usage.prompt_tokens > 0
+        # Greedy twice: the same reply, and the second time the full prompt pages are cached.
+        again = [c async for c in stub.Generate(request)]
+        assert [t for c in again for t in c.token_ids] == tokens
+        assert list(again[-1].prompt_block_hashes) == list(last.prompt_block_hashes)
+
+        bad = [
+            (worker_pb2.GenerateRequest(text=""), "the prompt is empty"),
+            (
+                worker_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[10**6])),
+                "outside the vocabulary",
+            ),
+            (
+                worker_pb2.GenerateRequest(
+                    text="hi", sampling=common_pb2.SamplingParams(temperature=-1)
+                ),
+                "temperature",
+            ),
+        ]
+        for req, message in bad:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(req):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in err.value.details()
+        # Still serving after bad input.
+        assert [c async for c in stub.Generate(request)][-1].usage.completion_tokens >= 1
+
+
+async def test_coordinator_lists_no_workflows_at_first(cluster):
     async with open_channel(cluster["coord"].address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.SubmitRun(coordinator_pb2.SubmitRunRequest(workflow="x"))
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert "workflow registration and runs" in err.value.details()
         listed = await stub.ListWorkflows(coordinator_pb2.ListWorkflowsRequest())
         assert list(listed.workflows) == []
 

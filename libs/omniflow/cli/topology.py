@@ -5,7 +5,7 @@ A YAML file::
     node: local                 # node id shared by every process (one machine)
     kv_agent: {host_bytes: 268435456}
     workers:
-      - {role: llm, count: 2}
+      - {role: llm, count: 2, model: "tiny:qwen2"}
       - {role: encoder, count: 1, model: /path/to/model}
       - {role: llm, count: 1, env: {OMNIFLOW_WORKER_DTYPE: bfloat16}}
 
@@ -28,7 +28,7 @@ ROLES = ("llm", "encoder", "diffusion", "talker")
 DEFAULT_TOPOLOGY = """\
 node: local
 workers:
-  - {role: llm, count: 2}
+  - {role: llm, count: 2, model: "tiny:qwen2"}
 """
 
 

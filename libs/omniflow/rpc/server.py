@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +53,8 @@ class Runtime:
     instance_id: str
     node: str
     registry: Registry
+    #: Re-register with the app's current metadata (e.g. after a model was loaded).
+    reregister: Callable[[], Awaitable[None]] | None = None
 
 
 class ServiceApp(abc.ABC):
@@ -108,6 +110,7 @@ class ServiceHost:
         self.port = 0
         self.metrics_port: int | None = None
         self.instance: ServiceInstance | None = None
+        self._instance_id = ""
         self._service_names: list[str] = []
 
     async def _set_health(self, status: int) -> None:
@@ -134,18 +137,26 @@ class ServiceHost:
         self.address = f"{s.resolved_advertise_host()}:{self.port}"
         instance_id = s.instance_id or f"{self.app.name}-{node}-{os.getpid()}"
         self.metrics_port = telemetry.start_metrics_server(s.metrics_port, s.host)
-        await self.app.start(Runtime(s, self.address, instance_id, node, self.registry))
-        meta = {"node": node, "pid": str(os.getpid()), "version": __version__}
-        if self.metrics_port is not None:
-            meta["metrics"] = f"{s.resolved_advertise_host()}:{self.metrics_port}"
-        meta.update(self.app.metadata())
-        self.instance = ServiceInstance(self.app.name, instance_id, self.address, meta)
-        await self.registry.register(self.instance, s.registration_ttl_s)
+        self._instance_id = instance_id
+        await self.app.start(
+            Runtime(s, self.address, instance_id, node, self.registry, self.register)
+        )
+        await self.register()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if s.ready_file:
             _write_ready(Path(s.ready_file), self.instance, self.metrics_port)
         log.info("%s SERVING at %s as %s", self.app.name, self.address, instance_id)
         return self.address
+
+    async def register(self) -> None:
+        """(Re-)register this instance with the app's current metadata."""
+        s = self.settings
+        meta = {"node": s.resolved_node(), "pid": str(os.getpid()), "version": __version__}
+        if self.metrics_port is not None:
+            meta["metrics"] = f"{s.resolved_advertise_host()}:{self.metrics_port}"
+        meta.update(self.app.metadata())
+        self.instance = ServiceInstance(self.app.name, self._instance_id, self.address, meta)
+        await self.registry.register(self.instance, s.registration_ttl_s)
 
     async def stop(self) -> None:
         """NOT_SERVING → deregister → stop with grace → app.stop → close discovery."""
