@@ -12,12 +12,51 @@ class KVAgentSettings(CommonSettings):
     """Settings of a node's KV agent (plus the common ones)."""
 
     host_bytes: int = setting(
-        "OMNIFLOW_KV_HOST_BYTES", 256 * 1024 * 1024, "host tier (shared memory) budget", minimum=0
+        "OMNIFLOW_KV_HOST_BYTES",
+        256 * 1024 * 1024,
+        "host tier (shared memory) budget, per page size in use",
+        minimum=0,
     )
-    ssd_path: str = setting("OMNIFLOW_KV_SSD_PATH", "", "SSD tier page file; empty: no SSD tier")
+    ssd_path: str = setting(
+        "OMNIFLOW_KV_SSD_PATH",
+        "",
+        "SSD tier page files: <path>.<page bytes>, one per page size; empty: no SSD tier",
+    )
     ssd_bytes: int = setting(
-        "OMNIFLOW_KV_SSD_BYTES", 1024 * 1024 * 1024, "SSD tier budget", minimum=0
+        "OMNIFLOW_KV_SSD_BYTES", 1024 * 1024 * 1024, "SSD tier budget, per page size", minimum=0
     )
     index_addr: str = setting(
         "OMNIFLOW_KV_INDEX_ADDR", "", "kv-index address; empty: found through discovery"
+    )
+    lease_ms: int = setting(
+        "OMNIFLOW_KV_AGENT_LEASE_MS", 0, "lease asked of the index; 0: the index default", minimum=0
+    )
+    publish_interval_ms: int = setting(
+        "OMNIFLOW_KV_PUBLISH_INTERVAL_MS", 20, "how often block events go to the index", minimum=1
+    )
+    chunk_bytes: int = setting(
+        "OMNIFLOW_KV_CHUNK_BYTES", 4 * 1024 * 1024, "bytes per streamed page chunk", minimum=1024
+    )
+    max_chunk_bytes: int = setting(
+        "OMNIFLOW_KV_MAX_CHUNK_BYTES",
+        16 * 1024 * 1024,
+        "largest page chunk accepted; larger ones are INVALID_ARGUMENT",
+        minimum=1024,
+    )
+    pin_ttl_ms: int = setting(
+        "OMNIFLOW_KV_PIN_TTL_MS",
+        30_000,
+        "how long pages located for a local reader stay pinned without Unpin",
+        minimum=100,
+    )
+    channels: tuple[str, ...] = setting(
+        "OMNIFLOW_KV_CHANNELS",
+        ("grpc", "nixl"),
+        "agent-to-agent channels to offer (nixl only where it imports)",
+    )
+    tensor_bytes: int = setting(
+        "OMNIFLOW_KV_TENSOR_BYTES", 256 * 1024 * 1024, "budget of held tensors", minimum=0
+    )
+    tensor_ttl_s: float = setting(
+        "OMNIFLOW_KV_TENSOR_TTL_S", 300.0, "default time to live of tensors", minimum=0.001
     )

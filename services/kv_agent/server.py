@@ -1,17 +1,355 @@
-"""The kv-agent gRPC edge."""
+"""The kv-agent gRPC edge: host and SSD tiers, zero-copy local access, agent-to-agent pulls.
+
+Local workers map the host arena (``GetArena``) and read pages in place between
+``LocatePages`` and ``Unpin``, or write them in place between a ``CommitPages`` reservation
+and its commit. Remote agents stream pages (``GetPages``) or, with NIXL, read the pinned
+slots directly. Every change of what the agent holds reaches the index through
+``IndexLink``. The agent serves local workers even while no index is reachable.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
 import grpc
+import numpy as np
 
+from omniflow.api.common.v1 import common_pb2
 from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
+from omniflow.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from omniflow.kv.blocks import KVLayout
+from omniflow.kv.events import BlockEntry, Tier
+from omniflow.kv.wire import check_hashes, parse_namespace, tier_from_proto, tier_to_proto
 from omniflow.rpc.server import Runtime, ServiceApp
-from omniflow.rpc.status import unimplemented_servicer
+from omniflow.rpc.status import error_from_rpc
 from omniflow_services.kv_agent.config import KVAgentSettings
+from omniflow_services.kv_agent.host_tier import HEADER_BYTES
+from omniflow_services.kv_agent.index_link import IndexLink
+from omniflow_services.kv_agent.nixl_channel import NixlChannel, nixl_unavailable_reason
+from omniflow_services.kv_agent.pools import PagePool, Pools, safe_name
+from omniflow_services.kv_agent.tensors import TensorStore
+from omniflow_services.kv_agent.transfer import Counters, PageReceiver, Puller
 
-PendingKVAgent = unimplemented_servicer(
-    kvagent_pb2_grpc.KVAgentServiceServicer, "the node KV agent (Data Flow)"
-)
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+MAX_HASHES = 65536
+_RESERVATION_TTL_S = 30.0
+
+
+class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
+    def __init__(self, app: KVAgentApp) -> None:
+        self.app = app
+
+    # --- local arena ------------------------------------------------------------------------
+
+    async def GetArena(
+        self, request: kvagent_pb2.GetArenaRequest, context: grpc.aio.ServicerContext
+    ) -> kvagent_pb2.GetArenaResponse:
+        pool, _ = await self.app.pool_for(request.namespace)
+        return kvagent_pb2.GetArenaResponse(
+            shm_name=pool.shm_name,
+            slot_bytes=pool.page_bytes,
+            num_slots=pool.arena.num_slots,
+            node=self.app.node,
+            arena_bytes=pool.mapping_bytes,
+            page_bytes=pool.page_bytes,
+            slot_stride=pool.arena.stride,
+            data_offset=HEADER_BYTES,
+            base_address=pool.base_address,
+        )
+
+    async def LocatePages(
+        self, request: kvagent_pb2.LocatePagesRequest, context: grpc.aio.ServicerContext
+    ) -> kvagent_pb2.LocatePagesResponse:
+        pool, ns = await self.app.pool_for(request.namespace)
+        hashes = check_hashes(request.block_hashes, MAX_HASHES)
+        handles = await self.app.offload(pool, lambda: pool.store.acquire_chain(ns, hashes))
+        if not handles:
+            return kvagent_pb2.LocatePagesResponse(shm_name=pool.shm_name)
+        ttl_ms = request.pin_ttl_ms or self.app.settings.pin_ttl_ms
+        pin_id = self.app.pools.pin(pool, handles, ttl_ms / 1000)
+        slots = [
+            kvagent_pb2.SlotRef(
+                block_hash=h.block_hash,
+                slot=h.slot,
+                checksum=h.checksum,
+                found_in=tier_to_proto(Tier.SSD if h.promoted else Tier.HOST),
+            )
+            for h in handles
+        ]
+        return kvagent_pb2.LocatePagesResponse(slots=slots, pin_id=pin_id, shm_name=pool.shm_name)
+
+    async def Unpin(
+        self, request: kvagent_pb2.UnpinRequest, context: grpc.aio.ServicerContext
+    ) -> kvagent_pb2.UnpinResponse:
+        self.app.pools.unpin(request.pin_id)
+        return kvagent_pb2.UnpinResponse()
+
+    async def CommitPages(
+        self, request: kvagent_pb2.CommitPagesRequest, context: grpc.aio.ServicerContext
+    ) -> kvagent_pb2.CommitPagesResponse:
+        pool, ns = await self.app.pool_for(request.namespace)
+        pools, store = self.app.pools, pool.store
+        reply = kvagent_pb2.CommitPagesResponse(shm_name=pool.shm_name)
+        for slot in request.abort_slots:
+            if pools.take_reserved(pool, slot):
+                store.abort_slot(slot)
+        for ref in request.slots:
+            check_hashes([ref.block_hash])
+            if not pools.take_reserved(pool, ref.slot):
+                raise NotFound(f"slot {ref.slot} holds no reservation (committed, or it lapsed)")
+            try:
+                store.commit_slot(ref.slot, ns, ref.block_hash, ref.checksum)
+            except DataLoss:  # the slot is freed, the page dropped
+                reply.checksum_failures += 1
+                continue
+            except FailedPrecondition:  # wrong page for the slot: the reservation stays
+                pools.note_reserved(pool, [ref.slot], _RESERVATION_TTL_S)
+                raise
+            reply.committed += 1
+        ttl = (request.reservation_ttl_ms or _RESERVATION_TTL_S * 1000) / 1000
+        if request.reserve:
+            slots = []
+            try:
+                for _ in range(request.reserve):
+                    slots.append(store.reserve_any())
+            finally:
+                pools.note_reserved(pool, slots, ttl)
+            reply.reserved_slots.extend(slots)
+        if request.reserve_hashes:
+            hashes = check_hashes(request.reserve_hashes, MAX_HASHES)
+            reserved = []
+            try:
+                for h in hashes:
+                    res = store.reserve(ns, h)
+                    if res is None:
+                        reply.already_held.append(h)
+                    else:
+                        reserved.append(res.slot)
+                        reply.reservations.append(kvagent_pb2.SlotRef(block_hash=h, slot=res.slot))
+            finally:
+                pools.note_reserved(pool, reserved, ttl)
+        return reply
+
+    # --- streaming pages --------------------------------------------------------------------
+
+    async def PutPages(
+        self,
+        request_iterator: AsyncIterator[kvagent_pb2.PageChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> kvagent_pb2.PutPagesResponse:
+        receiver: PageReceiver | None = None
+        try:
+            async for chunk in request_iterator:
+                if receiver is None:
+                    pool, ns = await self.app.pool_for(chunk.namespace)
+                    receiver = PageReceiver(
+                        pool, ns, self.app.settings.max_chunk_bytes, self.app.counters
+                    )
+                elif chunk.namespace and chunk.namespace != receiver.namespace.hex():
+                    raise InvalidArgument("one PutPages stream carries pages of one namespace")
+                receiver.feed(chunk)
+        finally:
+            if receiver is not None:
+                receiver.close()
+        if receiver is None:
+            return kvagent_pb2.PutPagesResponse()
+        return kvagent_pb2.PutPagesResponse(
+            stored=receiver.stored, rejected=receiver.rejected, errors=receiver.errors
+        )
+
+    async def GetPages(
+        self, request: kvagent_pb2.GetPagesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvagent_pb2.PageChunk]:
+        pool, ns = await self.app.pool_for(request.namespace)
+        hashes = check_hashes(request.block_hashes, MAX_HASHES)
+        chunk = request.chunk_bytes or self.app.settings.chunk_bytes
+        chunk = min(chunk, self.app.settings.max_chunk_bytes)
+        pb = pool.page_bytes
+        window = 64
+        for start in range(0, len(hashes), window):
+            part = hashes[start : start + window]
+            handles = await self.app.offload(pool, lambda p=part: pool.store.acquire_chain(ns, p))
+            try:
+                for handle in handles:
+                    view = pool.arena.view(handle.slot)
+                    for off in range(0, pb, chunk):
+                        end = min(off + chunk, pb)
+                        yield kvagent_pb2.PageChunk(
+                            namespace=request.namespace if off == 0 else "",
+                            block_hash=handle.block_hash,
+                            offset=off,
+                            data=view[off:end].tobytes(),
+                            page_bytes=pb,
+                            checksum=handle.checksum if off == 0 else 0,
+                            last=end == pb,
+                        )
+                    self.app.counters.pages_sent += 1
+            finally:
+                for handle in handles:
+                    pool.store.release(handle)
+            if len(handles) < len(part):
+                return
+
+    async def PullPages(
+        self, request: kvagent_pb2.PullPagesRequest, context: grpc.aio.ServicerContext
+    ) -> kvagent_pb2.PullPagesResponse:
+        pool, ns = await self.app.pool_for(request.namespace)
+        hashes = check_hashes(request.block_hashes, MAX_HASHES)
+        if not request.source_address:
+            raise InvalidArgument("source_address (the agent holding the pages) is required")
+        if request.source_address == self.app.address:
+            raise InvalidArgument("source_address is this agent; use LocatePages")
+        res = await self.app.puller.pull(pool, ns, hashes, request.source_address, request.channel)
+        return kvagent_pb2.PullPagesResponse(
+            pulled=res.pulled, checksum_failures=res.checksum_failures, channel=res.channel,
+            bytes=res.bytes,
+        )  # fmt: skip
+
+    async def FetchPages(
+        self, request: kvagent_pb2.FetchPagesRequest, context: grpc.aio.ServicerContext
+    ) -> kvagent_pb2.FetchPagesResponse:
+        pool, ns = await self.app.pool_for(request.namespace)
+        hashes = check_hashes(request.block_hashes, MAX_HASHES)
+        handles = await self.app.offload(pool, lambda: pool.store.acquire_chain(ns, hashes))
+        for handle in handles:
+            pool.store.release(handle)
+        return kvagent_pb2.FetchPagesResponse(fetched=len(handles))
+
+    async def Evict(
+        self, request: kvagent_pb2.EvictRequest, context: grpc.aio.ServicerContext
+    ) -> kvagent_pb2.EvictResponse:
+        tier = tier_from_proto(request.tier) if request.tier else None
+        if tier == Tier.DEVICE:
+            raise InvalidArgument("an agent has no device tier; use TIER_HOST or TIER_SSD")
+        if request.block_hashes or request.namespace:
+            pools = [(await self.app.pool_for(request.namespace))]
+        else:
+            pools = [(p, b"") for p in self.app.pools.all()]
+        hashes = check_hashes(request.block_hashes, MAX_HASHES)
+        before = [p.store.stats() for p, _ in pools]
+
+        def work() -> None:
+            for pool, ns in pools:
+                if hashes:
+                    for h in hashes:
+                        pool.store.evict(ns, h, tier)
+                elif request.target_free_bytes:
+                    pool.store.free_host(math.ceil(request.target_free_bytes / pool.page_bytes))
+
+        await asyncio.to_thread(work)
+        after = [p.store.stats() for p, _ in pools]
+        demoted = sum(a.demoted - b.demoted for a, b in zip(after, before, strict=True))
+        dropped = sum(a.dropped - b.dropped for a, b in zip(after, before, strict=True))
+        if hashes and tier is None:  # removed from every tier: counted as dropped
+            dropped += sum(b.host_pages + b.ssd_pages - a.host_pages - a.ssd_pages
+                           for a, b in zip(after, before, strict=True))  # fmt: skip
+        return kvagent_pb2.EvictResponse(demoted=demoted, dropped=dropped)
+
+    async def Stats(
+        self, request: kvagent_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> kvagent_pb2.StatsResponse:
+        return self.app.stats()
+
+    async def GetTransport(
+        self, request: kvagent_pb2.GetTransportRequest, context: grpc.aio.ServicerContext
+    ) -> kvagent_pb2.GetTransportResponse:
+        reply = kvagent_pb2.GetTransportResponse(channels=["grpc"])
+        if self.app.nixl is not None:
+            reply.channels.append("nixl")
+            reply.nixl_metadata = await self.app.nixl.metadata()
+            reply.nixl_agent_name = self.app.nixl.name
+        return reply
+
+    # --- tensors ----------------------------------------------------------------------------
+
+    async def PutTensor(
+        self,
+        request_iterator: AsyncIterator[kvagent_pb2.TensorChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> kvagent_pb2.PutTensorResponse:
+        tensors = self.app.tensors
+        header: kvagent_pb2.TensorChunk | None = None
+        buf = np.empty(0, np.uint8)
+        got = 0
+        async for chunk in request_iterator:
+            if header is None:
+                header = chunk
+                if chunk.size_bytes > tensors.budget_bytes:
+                    raise InvalidArgument(
+                        f"tensor of {chunk.size_bytes} bytes exceeds the budget of "
+                        f"{tensors.budget_bytes} bytes"
+                    )
+                buf = np.empty(chunk.size_bytes, np.uint8)
+            n = len(chunk.data)
+            if n > self.app.settings.max_chunk_bytes:
+                raise InvalidArgument(
+                    f"chunk of {n} bytes exceeds the limit of {self.app.settings.max_chunk_bytes}"
+                )
+            if chunk.offset != got or got + n > buf.size:
+                raise InvalidArgument(
+                    f"tensor chunk at offset {chunk.offset} of {n} bytes does not follow the "
+                    f"{got} bytes received (size {buf.size}); chunks must be in order"
+                )
+            buf[got : got + n] = np.frombuffer(chunk.data, np.uint8)
+            got += n
+        if header is None:
+            raise InvalidArgument("PutTensor needs at least one chunk (the header)")
+        if got != buf.size:
+            raise InvalidArgument(f"tensor ended after {got} of {buf.size} bytes")
+        ref = await asyncio.to_thread(
+            tensors.put,
+            buf,
+            shape=list(header.shape),
+            dtype=header.dtype,
+            ttl_s=header.ttl_ms / 1000 if header.ttl_ms else None,
+            checksum=header.checksum,
+        )
+        return kvagent_pb2.PutTensorResponse(
+            ref=common_pb2.TensorRef(
+                owner=self.app.owner_id,
+                address=self.app.address,
+                handle=ref.ref_id,
+                shape=list(ref.shape),
+                dtype=ref.dtype,
+                checksum=ref.checksum,
+                size_bytes=ref.nbytes,
+                expires_at_unix_ms=int(ref.expires_at * 1000),
+                node=self.app.node,
+            )
+        )
+
+    async def GetTensor(
+        self, request: kvagent_pb2.GetTensorRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvagent_pb2.TensorChunk]:
+        ref = self.app.tensors.lookup(request.ref.handle)
+        data = await asyncio.to_thread(self.app.tensors.read_bytes, ref.ref_id)
+        chunk = min(request.chunk_bytes or self.app.settings.chunk_bytes, len(data) or 1)
+        ttl_ms = max(0, int((ref.expires_at - time.time()) * 1000))
+        for off in range(0, max(len(data), 1), chunk):
+            first = off == 0
+            yield kvagent_pb2.TensorChunk(
+                shape=list(ref.shape) if first else [],
+                dtype=ref.dtype if first else "",
+                checksum=ref.checksum if first else 0,
+                size_bytes=ref.nbytes if first else 0,
+                ttl_ms=ttl_ms if first else 0,
+                data=data[off : off + chunk],
+                offset=off,
+            )
+
+    async def DeleteTensor(
+        self, request: kvagent_pb2.DeleteTensorRequest, context: grpc.aio.ServicerContext
+    ) -> kvagent_pb2.DeleteTensorResponse:
+        return kvagent_pb2.DeleteTensorResponse(found=self.app.tensors.delete(request.ref.handle))
 
 
 class KVAgentApp(ServiceApp):
@@ -22,10 +360,198 @@ class KVAgentApp(ServiceApp):
     def __init__(self, settings: KVAgentSettings) -> None:
         self.settings = settings
         self.runtime: Runtime | None = None
+        self.counters = Counters()
+        self.nixl: NixlChannel | None = None
+        self._pools: Pools | None = None
+        self._tensors: TensorStore | None = None
+        self._link: IndexLink | None = None
+        self._puller: Puller | None = None
+        self._upkeep: asyncio.Task[None] | None = None
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
-        kvagent_pb2_grpc.add_KVAgentServiceServicer_to_server(PendingKVAgent(), server)
+        kvagent_pb2_grpc.add_KVAgentServiceServicer_to_server(KVAgentServicer(self), server)
         return [kvagent_pb2.DESCRIPTOR.services_by_name["KVAgentService"].full_name]
 
+    # --- parts, available once started ------------------------------------------------------
+
+    @property
+    def pools(self) -> Pools:
+        if self._pools is None:
+            raise Unavailable("kv agent is starting")
+        return self._pools
+
+    @property
+    def tensors(self) -> TensorStore:
+        if self._tensors is None:
+            raise Unavailable("kv agent is starting")
+        return self._tensors
+
+    @property
+    def puller(self) -> Puller:
+        if self._puller is None:
+            raise Unavailable("kv agent is starting")
+        return self._puller
+
+    @property
+    def link(self) -> IndexLink:
+        if self._link is None:
+            raise Unavailable("kv agent is starting")
+        return self._link
+
+    @property
+    def owner_id(self) -> str:
+        return self.runtime.instance_id if self.runtime else ""
+
+    @property
+    def address(self) -> str:
+        return self.runtime.address if self.runtime else ""
+
+    @property
+    def node(self) -> str:
+        return self.runtime.node if self.runtime else ""
+
+    # --- lifecycle --------------------------------------------------------------------------
+
     async def start(self, runtime: Runtime) -> None:
+        s = self.settings
         self.runtime = runtime
+        if "nixl" in s.channels:
+            reason = nixl_unavailable_reason()
+            if reason is None:
+                name = f"{safe_name(runtime.instance_id)}-{uuid.uuid4().hex[:8]}"
+                self.nixl = await asyncio.to_thread(NixlChannel, name)
+            else:
+                log.info("NIXL channel off: %s", reason)
+        self._pools = Pools(
+            runtime.instance_id, s.host_bytes, s.ssd_path, s.ssd_bytes, on_new_pool=self._on_pool
+        )
+        recovered = await asyncio.to_thread(self._pools.recover_ssd)
+        for pool in recovered:
+            log.info(
+                "recovered %d SSD pages of %d bytes", len(pool.store.entries()), pool.page_bytes
+            )
+        self._tensors = TensorStore(
+            safe_name(runtime.instance_id) + "-tensors",
+            s.tensor_bytes,
+            default_ttl_s=s.tensor_ttl_s,
+        )
+        self._puller = Puller(
+            self.counters,
+            self.nixl,
+            chunk_bytes=s.chunk_bytes,
+            max_chunk_bytes=s.max_chunk_bytes,
+            timeout_s=s.call_timeout_s,
+        )
+        self._link = IndexLink(
+            runtime.instance_id,
+            runtime.node,
+            runtime.address,
+            self._find_index,
+            self._pools.drain_events,
+            self._entries,
+            lease_ms=s.lease_ms,
+            publish_interval_s=s.publish_interval_ms / 1000,
+            call_timeout_s=s.call_timeout_s,
+        )
+        self._link.start()
+        self._upkeep = asyncio.create_task(self._upkeep_loop())
+
+    def _on_pool(self, pool: PagePool) -> None:
+        if self.nixl is not None:
+            self.nixl.register_blocking(pool.base_address, pool.mapping_bytes)
+
+    def _entries(self) -> list[BlockEntry]:
+        out: list[BlockEntry] = []
+        for pool in self.pools.all():
+            out += pool.store.entries()
+        return out
+
+    async def _find_index(self) -> str:
+        if self.settings.index_addr:
+            return self.settings.index_addr
+        assert self.runtime is not None
+        instances = await self.runtime.registry.list("kv-index")
+        if not instances:
+            raise Unavailable("no kv-index in discovery")
+        return instances[0].address
+
+    async def _upkeep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.pools.expire()
+                await asyncio.to_thread(self.tensors.sweep)
+            except Exception:
+                log.exception("kv agent upkeep failed")
+
+    async def stop(self) -> None:
+        if self._upkeep is not None:
+            self._upkeep.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._upkeep
+        if self._link is not None:
+            await self._link.stop()
+        if self._puller is not None:
+            await self._puller.close()
+        if self.nixl is not None:
+            await asyncio.to_thread(self.nixl.close)
+        if self._tensors is not None:
+            self._tensors.close()
+        if self._pools is not None:
+            self._pools.close()
+
+    def metadata(self) -> dict[str, str]:
+        channels = ["grpc"] + (["nixl"] if self.nixl is not None else [])
+        return {"channels": ",".join(channels), "owner_id": self.owner_id}
+
+    # --- helpers for the servicer -----------------------------------------------------------
+
+    async def layout(self, namespace: bytes) -> KVLayout:
+        try:
+            return await self.link.layout(namespace)
+        except grpc.aio.AioRpcError as exc:
+            err = error_from_rpc(exc)
+            if isinstance(err, NotFound):
+                raise NotFound(
+                    f"namespace {namespace.hex()} is not registered at the index"
+                ) from None
+            raise type(err)(f"kv index: {err}") from None
+
+    async def pool_for(self, namespace_hex: str) -> tuple[PagePool, bytes]:
+        """The pool of a namespace (its page size comes from the index)."""
+        ns = parse_namespace(namespace_hex)
+        layout = await self.layout(ns)
+        return self.pools.pool(layout.page_bytes), ns
+
+    async def offload(self, pool: PagePool, fn: Callable[[], _T]) -> _T:
+        """Run a store call that may do SSD I/O in a thread; host-only calls run inline."""
+        if pool.store.ssd is None:
+            return fn()
+        return await asyncio.to_thread(fn)
+
+    def stats(self) -> kvagent_pb2.StatsResponse:
+        host = kvagent_pb2.TierUsage(tier=tier_to_proto(Tier.HOST))
+        ssd = kvagent_pb2.TierUsage(tier=tier_to_proto(Tier.SSD))
+        failures = 0
+        for pool in self.pools.all():
+            st = pool.store.stats()
+            host.pages += st.host_pages
+            host.capacity_pages += st.host_budget
+            host.bytes += st.host_pages * pool.page_bytes
+            host.hits += st.host_hits
+            host.misses += st.misses
+            ssd.pages += st.ssd_pages
+            ssd.capacity_pages += st.ssd_budget
+            ssd.bytes += st.ssd_pages * pool.page_bytes
+            ssd.hits += st.ssd_hits
+            failures += st.checksum_failures
+        return kvagent_pb2.StatsResponse(
+            agent_id=self.owner_id,
+            node=self.node,
+            tiers=[host, ssd],
+            checksum_failures=failures,
+            pages_sent=self.counters.pages_sent,
+            pages_received=self.counters.pages_received,
+            tensors=len(self.tensors),
+            tensor_bytes=self.tensors.used_bytes,
+        )

@@ -108,6 +108,9 @@ class TensorStore:
     def used_bytes(self) -> int:
         return self._used
 
+    def __len__(self) -> int:
+        return len(self._held)
+
     def put(
         self,
         data: np.ndarray | bytes | bytearray | memoryview,

@@ -1,0 +1,111 @@
+"""``AgentConnector``: the engine's ``KVConnector`` protocol on top of ``KVClient``.
+
+The engine (services/worker/engine/connector.py) calls ``fetch_pages`` and
+``store_pages`` from its own thread, synchronously. This adapter runs a ``KVClient`` on an
+event loop of its own: ``fetch_pages`` waits for the pages (copied out of the arena and
+verified against their checksums, then unpinned), ``store_pages`` only schedules the
+write-through and returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from omniflow.kv.blocks import KVLayout
+from omniflow.kv.checksum import page_checksum
+from omniflow.kv.client import KVClient
+
+log = logging.getLogger(__name__)
+
+
+class AgentConnector:
+    """A ``KVConnector`` backed by the node's kv-agent (and the index, when given)."""
+
+    def __init__(
+        self,
+        agent_address: str,
+        index_address: str = "",
+        *,
+        device_owner_id: str = "",
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-connector")
+        self._thread.daemon = True
+        self._thread.start()
+        self._registered: set[bytes] = set()
+        self._queued: set[Future[None]] = set()
+
+        async def make() -> KVClient:
+            return KVClient(
+                agent_address, index_address, device_owner_id=device_owner_id, timeout_s=timeout_s
+            )
+
+        self.client: KVClient = self._run(make())
+
+    def _run(self, coro: Any) -> Any:
+        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result(timeout=self.timeout_s * 3)
+
+    async def _ensure_namespace(self, layout: KVLayout) -> bytes:
+        ns = layout.namespace
+        if ns not in self._registered and self.client.index_address:
+            await self.client.register_namespace(layout)
+            self._registered.add(ns)
+        return ns
+
+    async def _fetch(self, layout: KVLayout, hashes: list[bytes]) -> list[bytes]:
+        ns = await self._ensure_namespace(layout)
+        async with await self.client.acquire(ns, hashes) as pages:
+            out = [view.tobytes() for view in pages.views]
+            checksums = list(pages.checksums)
+        # Verified on the copies: what the engine gets is what the agent vouched for.
+        good = []
+        for blob, want in zip(out, checksums, strict=True):
+            if page_checksum(blob) != want:
+                break
+            good.append(blob)
+        return good
+
+    def fetch_pages(self, layout: KVLayout, hashes: Sequence[bytes]) -> list[bytes]:
+        """Bytes of the longest leading run of ``hashes`` the Data Flow layer has."""
+        return self._run(self._fetch(layout, list(hashes)))
+
+    async def _store(self, layout: KVLayout, hashes: list[bytes], pages: list[bytes]) -> None:
+        ns = await self._ensure_namespace(layout)
+        self.client.store(ns, hashes, pages)
+
+    def store_pages(
+        self, layout: KVLayout, hashes: Sequence[bytes], pages: Sequence[bytes]
+    ) -> None:
+        """Queue a write-through of full pages; returns at once."""
+        fut = asyncio.run_coroutine_threadsafe(
+            self._store(layout, list(hashes), list(pages)), self._loop
+        )
+        self._queued.add(fut)
+        fut.add_done_callback(self._queued_done)
+
+    def _queued_done(self, fut: Future[None]) -> None:
+        self._queued.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("kv write-through not queued: %s", fut.exception())
+
+    def flush(self) -> None:
+        """Wait for queued write-throughs (tests, shutdown)."""
+        for fut in list(self._queued):
+            fut.exception(timeout=self.timeout_s * 3)
+        self._run(self.client.flush())
+
+    def close(self) -> None:
+        try:
+            self._run(self.client.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            self._loop.close()

@@ -1,0 +1,282 @@
+"""The agent's link to the KV index: lease, heartbeats, event batches, snapshots.
+
+One task runs the protocol of ``kv_index.core``: find the index → take a lease → send a
+snapshot of everything held → publish the stores' events in batches with seq 1, 2, … and
+heartbeat at a third of the lease. A refused batch or heartbeat (gap, lapsed lease, an
+index whose Redis lost its data: a new run id) leads to a new lease or a snapshot; a lost
+connection to a new lease and a snapshot once the index answers again. While no index is
+reachable, events are dropped: the snapshot that follows the reconnection covers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from itertools import groupby
+
+import grpc
+
+from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
+from omniflow.errors import Unavailable
+from omniflow.kv.blocks import KVLayout
+from omniflow.kv.events import BlockEntry, BlockEvent, EventKind
+from omniflow.kv.wire import layout_from_proto, tier_to_proto
+from omniflow.rpc.client import open_channel
+from omniflow.rpc.interceptors import TracedChannel
+
+log = logging.getLogger(__name__)
+
+_SNAPSHOT_CHUNK = 8192
+_TYPE = {
+    EventKind.STORED: kvindex_pb2.BlockEvent.TYPE_STORED,
+    EventKind.REMOVED: kvindex_pb2.BlockEvent.TYPE_REMOVED,
+}
+
+
+def events_to_proto(events: list[BlockEvent]) -> list[kvindex_pb2.BlockEvent]:
+    """Runs of events with the same kind, namespace and tier become one message each."""
+    out = []
+    for (kind, ns, tier), run in groupby(events, key=lambda e: (e.kind, e.namespace, e.tier)):
+        if kind == EventKind.CLEARED:
+            out.append(kvindex_pb2.BlockEvent(type=kvindex_pb2.BlockEvent.TYPE_CLEARED))
+            continue
+        if kind == EventKind.CLEARED_TIER:
+            out.append(
+                kvindex_pb2.BlockEvent(
+                    type=kvindex_pb2.BlockEvent.TYPE_CLEARED, tier=tier_to_proto(tier)
+                )
+            )
+            continue
+        out.append(
+            kvindex_pb2.BlockEvent(
+                type=_TYPE[kind],
+                namespace=ns.hex(),
+                tier=tier_to_proto(tier),
+                block_hashes=[e.block_hash for e in run],
+            )
+        )
+    return out
+
+
+def snapshot_chunks(
+    owner_id: str, epoch: int, seq: int, entries: list[BlockEntry]
+) -> Iterator[kvindex_pb2.SnapshotChunk]:
+    """The header chunk, then the entries grouped by namespace and tier."""
+    yield kvindex_pb2.SnapshotChunk(owner_id=owner_id, epoch=epoch, seq=seq)
+    entries = sorted(entries, key=lambda e: (e.namespace, e.tier))
+    for (ns, tier), run in groupby(entries, key=lambda e: (e.namespace, e.tier)):
+        hashes = [e.block_hash for e in run]
+        for i in range(0, len(hashes), _SNAPSHOT_CHUNK):
+            yield kvindex_pb2.SnapshotChunk(
+                namespace=ns.hex(),
+                tier=tier_to_proto(tier),
+                block_hashes=hashes[i : i + _SNAPSHOT_CHUNK],
+            )
+
+
+class _Reacquire(Exception):
+    """The lease is gone (unknown owner, stale epoch, index lost its data)."""
+
+
+class IndexLink:
+    """Keeps this agent's blocks announced in the KV index."""
+
+    def __init__(
+        self,
+        owner_id: str,
+        node: str,
+        address: str,
+        find_index: Callable[[], Awaitable[str]],
+        drain: Callable[[], list[BlockEvent]],
+        entries: Callable[[], list[BlockEntry]],
+        *,
+        lease_ms: int = 0,
+        publish_interval_s: float = 0.02,
+        call_timeout_s: float = 5.0,
+        max_batch: int = 8192,
+    ) -> None:
+        self.owner_id = owner_id
+        self.node = node
+        self.address = address
+        self._find_index = find_index
+        self._drain = drain
+        self._entries = entries
+        self.lease_ms = lease_ms
+        self.publish_interval_s = publish_interval_s
+        self.call_timeout_s = call_timeout_s
+        self.max_batch = max_batch
+        self.index_address = ""
+        self.epoch = 0
+        self.seq = 0
+        self.run_id = ""
+        self.snapshots = 0
+        self.connected = asyncio.Event()
+        self._channel: TracedChannel | None = None
+        self._stub: kvindex_pb2_grpc.KVIndexServiceStub | None = None
+        self._pending: list[BlockEvent] = []
+        self._snapshot_wanted = False
+        self._task: asyncio.Task[None] | None = None
+        self._layouts: dict[bytes, KVLayout] = {}
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kv-index-link")
+
+    async def stop(self) -> None:
+        """Stop publishing and give the lease up (the index drops our entries at once)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._stub is not None and self.epoch:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._stub.ReleaseLease(
+                    kvindex_pb2.ReleaseLeaseRequest(owner_id=self.owner_id, epoch=self.epoch),
+                    timeout=1.0,
+                )
+        if self._channel is not None:
+            await self._channel.close()
+
+    def request_snapshot(self) -> None:
+        self._snapshot_wanted = True
+
+    # --- namespaces -------------------------------------------------------------------------
+
+    async def layout(self, namespace: bytes) -> KVLayout:
+        """A namespace's layout, from the index (cached: layouts never change)."""
+        lay = self._layouts.get(namespace)
+        if lay is not None:
+            return lay
+        stub = await self._index_stub()
+        reply = await stub.GetNamespace(kvindex_pb2.GetNamespaceRequest(namespace=namespace.hex()))
+        lay = self._layouts[namespace] = layout_from_proto(reply.layout)
+        return lay
+
+    async def _index_stub(self) -> kvindex_pb2_grpc.KVIndexServiceStub:
+        if self._stub is None:
+            await self._connect()
+        assert self._stub is not None
+        return self._stub
+
+    async def _connect(self) -> None:
+        address = await self._find_index()
+        if address != self.index_address or self._channel is None:
+            if self._channel is not None:
+                await self._channel.close()
+            self._channel = open_channel(address, default_timeout_s=self.call_timeout_s)
+            self._stub = kvindex_pb2_grpc.KVIndexServiceStub(self._channel)
+            self.index_address = address
+
+    # --- the protocol -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                await self._connect()
+                await self._acquire()
+                await self._snapshot()
+                self.connected.set()
+                backoff = 0.1
+                await self._serve()
+            except asyncio.CancelledError:
+                raise
+            except _Reacquire as exc:
+                log.info("kv index: %s; taking a new lease", exc)
+            except (grpc.aio.AioRpcError, Unavailable) as exc:
+                text = f"{exc.code().name}: {exc.details()}" if hasattr(exc, "code") else str(exc)
+                log.warning("kv index unreachable (%s); retrying in %.1fs", text, backoff)
+                self.connected.clear()
+                self._pending.clear()
+                self._drain()  # the snapshot after reconnecting covers these
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except Exception:
+                log.exception("kv index link failed; retrying")
+                self.connected.clear()
+                await asyncio.sleep(1.0)
+
+    async def _acquire(self) -> None:
+        assert self._stub is not None
+        reply = await self._stub.AcquireLease(
+            kvindex_pb2.AcquireLeaseRequest(
+                owner_id=self.owner_id,
+                kind=kvindex_pb2.OWNER_KIND_AGENT,
+                node=self.node,
+                address=self.address,
+                ttl_ms=self.lease_ms,
+            )
+        )
+        self.epoch, self.seq, self.run_id = reply.epoch, 0, reply.index_run_id
+        self.lease_ms = reply.ttl_ms
+        log.info("kv index lease: epoch %d, %d ms, run %s", self.epoch, reply.ttl_ms, self.run_id)
+
+    async def _snapshot(self) -> None:
+        """Replace what the index holds for us with what the stores hold now."""
+        assert self._stub is not None
+        # Events queued up to here are in the entries read just after; later ones are sent
+        # after the snapshot (applying a STORED or REMOVED twice is harmless).
+        self._pending.clear()
+        self._drain()
+        entries = self._entries()
+        reply = await self._stub.Snapshot(
+            snapshot_chunks(self.owner_id, self.epoch, self.seq, entries)
+        )
+        self.seq = reply.next_seq - 1
+        self.snapshots += 1
+        self._snapshot_wanted = False
+        log.info("kv index snapshot: %d blocks (epoch %d)", reply.blocks, self.epoch)
+
+    async def _serve(self) -> None:
+        assert self._stub is not None
+        beat_every = max(self.lease_ms / 3000.0, 0.05)
+        next_beat = time.monotonic() + beat_every
+        while True:
+            if self._snapshot_wanted:
+                await self._snapshot()
+            now = time.monotonic()
+            if now >= next_beat:
+                await self._heartbeat()
+                next_beat = now + beat_every
+            await self._publish()
+            await asyncio.sleep(self.publish_interval_s)
+
+    async def _heartbeat(self) -> None:
+        assert self._stub is not None
+        reply = await self._stub.Heartbeat(
+            kvindex_pb2.HeartbeatRequest(owner_id=self.owner_id, epoch=self.epoch)
+        )
+        if not reply.ok:
+            raise _Reacquire("lease lost")
+        if reply.index_run_id != self.run_id:
+            raise _Reacquire(f"index run changed ({self.run_id} → {reply.index_run_id})")
+        if reply.snapshot_requested:
+            self._snapshot_wanted = True
+
+    async def _publish(self) -> None:
+        assert self._stub is not None
+        if not self._pending:
+            self._pending = self._drain()
+        while self._pending:
+            batch = self._pending[: self.max_batch]
+            reply = await self._stub.PublishEvents(
+                kvindex_pb2.PublishEventsRequest(
+                    owner_id=self.owner_id,
+                    epoch=self.epoch,
+                    seq=self.seq + 1,
+                    events=events_to_proto(batch),
+                )
+            )
+            if reply.accepted:
+                self.seq += 1
+                del self._pending[: len(batch)]
+                continue
+            if reply.reason in ("UNKNOWN_OWNER", "STALE_EPOCH"):
+                raise _Reacquire(f"batch refused: {reply.reason}")
+            log.info("kv index asked for a snapshot (%s)", reply.reason)
+            await self._snapshot()
+            return

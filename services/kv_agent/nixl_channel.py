@@ -1,0 +1,128 @@
+"""The NIXL (UCX) channel between agents: the puller READs remote arena slots in place.
+
+Each agent with ``nixl`` installed runs one NIXL agent and registers every host arena
+with it. A puller learns the source's NIXL metadata (``GetTransport``) and arena address
+(``GetArena``) over gRPC, pins the pages there (``LocatePages``), and READs the slots
+straight into slots it reserved in its own arena; the page checksums then decide what is
+kept. Every NIXL call runs on one thread of its own (the library is not async).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from omniflow.errors import DeadlineExceeded, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+def nixl_unavailable_reason() -> str | None:
+    """None when ``nixl`` imports, else why not (for skips, logs and GetTransport)."""
+    try:
+        from nixl._api import nixl_agent  # noqa: F401
+    except Exception as exc:  # ImportError, or a missing native library
+        return f"nixl is not usable: {exc}"
+    return None
+
+
+class NixlChannel:
+    """One NIXL agent (UCX backend) for this process."""
+
+    def __init__(self, name: str) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="nixl")
+        self._agent: Any = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._registered: list[Any] = []
+        self._remotes: dict[str, bytes] = {}  # remote agent name → metadata it was added with
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    def register_sync(self, address: int, nbytes: int) -> None:
+        """Register a DRAM region (an arena mapping) with the UCX backend."""
+        descs = self._agent.register_memory([(address, nbytes, 0, "")], "DRAM")
+        self._registered.append(descs)
+        log.info("nixl %s: registered %d bytes at %#x", self.name, nbytes, address)
+
+    async def register(self, address: int, nbytes: int) -> None:
+        await self._call(self.register_sync, address, nbytes)
+
+    def register_blocking(self, address: int, nbytes: int) -> None:
+        """``register`` from synchronous code (any thread but the NIXL one)."""
+        self._exec.submit(self.register_sync, address, nbytes).result(timeout=30)
+
+    async def metadata(self) -> bytes:
+        """This agent's metadata, including every region registered so far."""
+        return bytes(await self._call(self._agent.get_agent_metadata))
+
+    def _ensure_remote(self, metadata: bytes) -> str:
+        for name, known in self._remotes.items():
+            if known == metadata:
+                return name
+        name = self._agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name in self._remotes:  # the remote registered more memory: reload it
+            self._agent.remove_remote_agent(name)
+            self._agent.add_remote_agent(metadata)
+        self._remotes[name] = metadata
+        return name
+
+    async def ensure_remote(self, metadata: bytes) -> str:
+        """Load a remote agent's metadata (again if it changed); returns its name."""
+        return await self._call(self._ensure_remote, metadata)
+
+    def _read(
+        self,
+        remote: str,
+        local: Sequence[int],
+        remote_addrs: Sequence[int],
+        nbytes: int,
+        timeout_s: float,
+    ) -> None:
+        a = self._agent
+        ldescs = a.get_xfer_descs([(addr, nbytes, 0) for addr in local], "DRAM")
+        rdescs = a.get_xfer_descs([(addr, nbytes, 0) for addr in remote_addrs], "DRAM")
+        handle = a.initialize_xfer("READ", ldescs, rdescs, remote)
+        try:
+            state = a.transfer(handle)
+            end = time.monotonic() + timeout_s
+            while state == "PROC":
+                if time.monotonic() > end:
+                    raise DeadlineExceeded(f"nixl read from {remote} not done in {timeout_s}s")
+                time.sleep(0.0001)
+                state = a.check_xfer_state(handle)
+            if state != "DONE":
+                raise Unavailable(f"nixl read from {remote} failed ({state})")
+        finally:
+            a.release_xfer_handle(handle)
+
+    async def read(
+        self,
+        remote: str,
+        local: Sequence[int],
+        remote_addrs: Sequence[int],
+        nbytes: int,
+        timeout_s: float,
+    ) -> None:
+        """READ ``nbytes`` at each remote address into the local address at the same index."""
+        if local:
+            await self._call(self._read, remote, local, remote_addrs, nbytes, timeout_s)
+
+    def close(self) -> None:
+        def _close() -> None:
+            for descs in self._registered:
+                try:
+                    self._agent.deregister_memory(descs)
+                except Exception as exc:  # shutting down anyway
+                    log.debug("nixl deregister failed: %s", exc)
+            self._registered.clear()
+
+        self._exec.submit(_close).result(timeout=10)
+        self._exec.shutdown(wait=True)

@@ -1,0 +1,325 @@
+"""Moving pages into an agent: the chunk receiver (PutPages, gRPC pulls) and the puller.
+
+Pages arrive as ``PageChunk`` pieces and are written straight into host slots reserved
+for them; a page is published only once complete and its xxh3_64 matches the checksum the
+sender gave. A page that fails is dropped and counted, never served.
+
+``Puller`` fetches pages from a remote agent into this agent's host tier, over gRPC
+(``GetPages`` stream) or NIXL (READ of the remote arena slots, pinned with
+``LocatePages``), whichever both agents support.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
+from omniflow.errors import DataLoss, FailedPrecondition, InvalidArgument
+from omniflow.kv.blocks import HASH_BYTES
+from omniflow.rpc.client import open_channel
+from omniflow.rpc.interceptors import TracedChannel
+from omniflow.rpc.status import error_from_rpc
+from omniflow_services.kv_agent.host_tier import HEADER_BYTES
+from omniflow_services.kv_agent.nixl_channel import NixlChannel
+from omniflow_services.kv_agent.pools import PagePool
+from omniflow_services.kv_agent.tiers import Reservation
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True)
+class Counters:
+    """What the agent reports in Stats beyond its stores."""
+
+    pages_sent: int = 0
+    pages_received: int = 0
+
+
+class PageReceiver:
+    """Assembles streamed pages of one namespace into reserved host slots."""
+
+    def __init__(
+        self, pool: PagePool, namespace: bytes, max_chunk_bytes: int, counters: Counters
+    ) -> None:
+        self.pool = pool
+        self.namespace = namespace
+        self.max_chunk_bytes = max_chunk_bytes
+        self.counters = counters
+        self.stored = 0
+        self.rejected = 0
+        self.errors: list[str] = []
+        self.bytes = 0
+        self._hash = b""
+        self._res: Reservation | None = None
+        self._skip = False  # already held: the bytes are read and dropped
+        self._off = 0
+        self._checksum = 0
+
+    def feed(self, chunk: kvagent_pb2.PageChunk) -> None:
+        """Take one chunk; InvalidArgument on a malformed one (the open page is dropped)."""
+        pb = self.pool.page_bytes
+        n = len(chunk.data)
+        if n > self.max_chunk_bytes:
+            raise InvalidArgument(
+                f"chunk of {n} bytes exceeds the limit of {self.max_chunk_bytes} bytes"
+            )
+        if not self._hash:
+            if len(chunk.block_hash) != HASH_BYTES:
+                raise InvalidArgument(
+                    f"block hash has {len(chunk.block_hash)} bytes; block hashes are "
+                    f"{HASH_BYTES} bytes"
+                )
+            if chunk.page_bytes != pb:
+                raise InvalidArgument(
+                    f"page {chunk.block_hash.hex()} is {chunk.page_bytes} bytes but namespace "
+                    f"{self.namespace.hex()} has pages of {pb} bytes"
+                )
+            if chunk.offset != 0:
+                raise InvalidArgument(
+                    f"page {chunk.block_hash.hex()} starts at offset {chunk.offset}; its first "
+                    "chunk must be at 0"
+                )
+            self._hash, self._off, self._checksum = chunk.block_hash, 0, chunk.checksum
+            self._res = self.pool.store.reserve(self.namespace, chunk.block_hash)
+            self._skip = self._res is None
+        elif chunk.block_hash != self._hash or chunk.offset != self._off:
+            raise InvalidArgument(
+                f"page {self._hash.hex()} ended after {self._off} of {pb} bytes (next chunk: "
+                f"page {chunk.block_hash.hex()} offset {chunk.offset}); chunks must be in order"
+            )
+        if self._off + n > pb:
+            raise InvalidArgument(
+                f"page {self._hash.hex()}: chunk at {self._off} of {n} bytes runs past {pb} bytes"
+            )
+        if self._res is not None and n:
+            view = self.pool.arena.view(self._res.slot)
+            view[self._off : self._off + n] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self._off += n
+        self.bytes += n
+        if chunk.last:
+            if self._off != pb:
+                raise InvalidArgument(
+                    f"page {self._hash.hex()} marked last after {self._off} of {pb} bytes"
+                )
+            self._finish_page()
+
+    def _finish_page(self) -> None:
+        res, self._res = self._res, None
+        h, self._hash = self._hash, b""
+        if self._skip:
+            self.stored += 1
+            return
+        assert res is not None
+        try:
+            self.pool.store.commit(res, self._checksum)
+        except DataLoss as exc:
+            self.rejected += 1  # the store counted it in its checksum failures
+            self.errors.append(str(exc))
+            log.warning("page %s dropped: %s", h.hex(), exc)
+            return
+        self.stored += 1
+        self.counters.pages_received += 1
+
+    def close(self) -> None:
+        """Drop a page left incomplete (stream ended or failed)."""
+        if self._res is not None:
+            self.pool.store.abort(self._res)
+            self._res = None
+        if self._hash:
+            self.errors.append(f"page {self._hash.hex()} incomplete ({self._off} bytes)")
+            self._hash = b""
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    pulled: int
+    checksum_failures: int
+    channel: str
+    bytes: int
+
+
+class Puller:
+    """Pulls pages from remote agents into this agent's host tier."""
+
+    def __init__(
+        self,
+        counters: Counters,
+        nixl: NixlChannel | None,
+        *,
+        chunk_bytes: int,
+        max_chunk_bytes: int,
+        timeout_s: float,
+        window_pages: int = 256,
+    ) -> None:
+        self.counters = counters
+        self.nixl = nixl
+        self.chunk_bytes = chunk_bytes
+        self.max_chunk_bytes = max_chunk_bytes
+        self.timeout_s = timeout_s
+        self.window_pages = window_pages
+        self._stubs: dict[str, tuple[TracedChannel, kvagent_pb2_grpc.KVAgentServiceStub]] = {}
+
+    def stub(self, address: str) -> kvagent_pb2_grpc.KVAgentServiceStub:
+        held = self._stubs.get(address)
+        if held is None:
+            channel = open_channel(address, default_timeout_s=self.timeout_s)
+            held = self._stubs[address] = (channel, kvagent_pb2_grpc.KVAgentServiceStub(channel))
+        return held[1]
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
+    async def _remote(self, address: str, call: Awaitable[_T]) -> _T:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            err = error_from_rpc(exc)
+            raise type(err)(f"source agent {address}: {err}") from None
+
+    async def choose_channel(self, address: str, wanted: str) -> str:
+        if wanted not in ("", "grpc", "nixl"):
+            raise InvalidArgument(f"channel must be 'grpc', 'nixl' or empty, got {wanted!r}")
+        if wanted == "grpc":
+            return "grpc"
+        if self.nixl is None:
+            if wanted == "nixl":
+                raise FailedPrecondition("this agent has no NIXL channel (nixl not usable)")
+            return "grpc"
+        transport = await self._remote(
+            address, self.stub(address).GetTransport(kvagent_pb2.GetTransportRequest())
+        )
+        if "nixl" in transport.channels:
+            return "nixl"
+        if wanted == "nixl":
+            raise FailedPrecondition(f"source agent {address} has no NIXL channel")
+        return "grpc"
+
+    async def pull(
+        self,
+        pool: PagePool,
+        namespace: bytes,
+        hashes: list[bytes],
+        address: str,
+        channel: str,
+    ) -> PullResult:
+        """Fetch the pages of ``hashes`` this agent lacks; the leading run held is returned."""
+        missing = [h for h in hashes if pool.store.tier_of(namespace, h) is None]
+        chosen = await self.choose_channel(address, channel) if missing else channel or "grpc"
+        failures = 0
+        moved = 0
+        for i in range(0, len(missing), self.window_pages):
+            window = missing[i : i + self.window_pages]
+            if chosen == "nixl":
+                got, bad, nbytes = await self._pull_nixl(pool, namespace, window, address)
+            else:
+                got, bad, nbytes = await self._pull_grpc(pool, namespace, window, address)
+            failures += bad
+            moved += nbytes
+            if got < len(window):
+                break
+        pulled = 0
+        for h in hashes:
+            if pool.store.tier_of(namespace, h) is None:
+                break
+            pulled += 1
+        return PullResult(pulled, failures, chosen, moved)
+
+    async def _pull_grpc(
+        self, pool: PagePool, namespace: bytes, hashes: list[bytes], address: str
+    ) -> tuple[int, int, int]:
+        receiver = PageReceiver(pool, namespace, self.max_chunk_bytes, self.counters)
+        request = kvagent_pb2.GetPagesRequest(
+            namespace=namespace.hex(), block_hashes=hashes, chunk_bytes=self.chunk_bytes
+        )
+        call = self.stub(address).GetPages(request)
+        try:
+            async for chunk in _iterate(call, address):
+                receiver.feed(chunk)
+        except InvalidArgument as exc:
+            call.cancel()
+            raise DataLoss(f"source agent {address} sent a malformed page: {exc}") from None
+        finally:
+            receiver.close()
+        return receiver.stored + receiver.rejected, receiver.rejected, receiver.bytes
+
+    async def _pull_nixl(
+        self, pool: PagePool, namespace: bytes, hashes: list[bytes], address: str
+    ) -> tuple[int, int, int]:
+        assert self.nixl is not None
+        stub = self.stub(address)
+        ns = namespace.hex()
+        arena = await self._remote(
+            address, stub.GetArena(kvagent_pb2.GetArenaRequest(namespace=ns))
+        )
+        if arena.page_bytes != pool.page_bytes:
+            raise DataLoss(
+                f"source agent {address} has {arena.page_bytes}-byte pages for namespace {ns}, "
+                f"this agent {pool.page_bytes}"
+            )
+        # Metadata after GetArena, so that it covers the arena registered for this namespace.
+        transport = await self._remote(
+            address, stub.GetTransport(kvagent_pb2.GetTransportRequest())
+        )
+        remote = await self.nixl.ensure_remote(transport.nixl_metadata)
+        located = await self._remote(
+            address,
+            stub.LocatePages(
+                kvagent_pb2.LocatePagesRequest(
+                    namespace=ns, block_hashes=hashes, pin_ttl_ms=int(self.timeout_s * 1000) + 5000
+                )
+            ),
+        )
+        reservations: list[tuple[Reservation, kvagent_pb2.SlotRef]] = []
+        failures = 0
+        try:
+            for ref in located.slots:
+                res = pool.store.reserve(namespace, ref.block_hash)
+                if res is not None:
+                    reservations.append((res, ref))
+            local = [
+                pool.base_address + HEADER_BYTES + res.slot * pool.arena.stride
+                for res, _ in reservations
+            ]
+            remote_addrs = [
+                arena.base_address + arena.data_offset + ref.slot * arena.slot_stride
+                for _, ref in reservations
+            ]
+            await self.nixl.read(remote, local, remote_addrs, pool.page_bytes, self.timeout_s)
+            while reservations:
+                res, ref = reservations.pop(0)
+                try:
+                    pool.store.commit(res, ref.checksum)
+                    self.counters.pages_received += 1
+                except DataLoss as exc:
+                    failures += 1
+                    log.warning("page %s dropped: %s", ref.block_hash.hex(), exc)
+        finally:
+            for res, _ in reservations:
+                pool.store.abort(res)
+            if located.pin_id:
+                try:
+                    await stub.Unpin(kvagent_pb2.UnpinRequest(pin_id=located.pin_id))
+                except grpc.aio.AioRpcError as exc:  # the pin lapses on its own
+                    log.info("unpin at %s failed: %s", address, exc.code().name)
+        return len(located.slots), failures, len(located.slots) * pool.page_bytes
+
+
+async def _iterate(
+    call: AsyncIterator[kvagent_pb2.PageChunk], address: str
+) -> AsyncIterator[kvagent_pb2.PageChunk]:
+    try:
+        async for chunk in call:
+            yield chunk
+    except grpc.aio.AioRpcError as exc:
+        err = error_from_rpc(exc)
+        raise type(err)(f"source agent {address}: {err}") from None
