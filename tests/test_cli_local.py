@@ -49,9 +49,9 @@ def test_up_status_down_leaves_no_process(tmp_path: Path) -> None:
     pids: list[int] = []
     try:
         up = _run(["up", "--topology", str(topology)], env)
+        assert up.returncode == 0, up.stdout + up.stderr
         state = json.loads((run_dir / "state.json").read_text())
         pids = [p["pid"] for p in state["procs"]]
-        assert up.returncode == 0, up.stdout + up.stderr
         names = [p["name"] for p in state["procs"]]
         assert names == [
             "redis", "kv-index", "kv-agent", "router", "coordinator", "llm-1", "llm-2"
