@@ -274,7 +274,7 @@ class WorkerTable:
         result = self._choose(
             role, strategy, cands, session_key, reach, prompt_blocks, temperature, load_weight
         )
-        if fallback_reason and not result.fallback_reason:
+        if fallback_reason:
             result = PickResult(
                 result.worker,
                 result.strategy,
@@ -328,11 +328,13 @@ class WorkerTable:
         ring = self._rings.get(ring_key)
         if ring is None:
             points = sorted(
-                (xxhash.xxh3_64_intdigest(f"{wid}#{i}"), wid) for wid in ids for i in range(VNODES)
+                (xxhash.xxh3_64_intdigest(f"{wid}#{i}".encode()), wid)
+                for wid in ids
+                for i in range(VNODES)
             )
             ring = ([p for p, _ in points], [w for _, w in points])
             self._rings[ring_key] = ring
-        h = xxhash.xxh3_64_intdigest(key)
+        h = xxhash.xxh3_64_intdigest(key.encode())
         i = bisect.bisect(ring[0], h) % len(ring[0])
         wid = ring[1][i]
         return next(v for v in cands if v.record.worker_id == wid)

@@ -1,0 +1,145 @@
+"""The router's strategies, cost model and circuit breaker (core, no network)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from omniflow.errors import InvalidArgument, NotFound
+from omniflow.workers import WorkerRecord
+from omniflow_services.router.core import CircuitBreaker, Reach, WorkerTable
+
+
+def _table(n: int = 3, **kw) -> WorkerTable:
+    t = WorkerTable(seed=7, **kw)
+    t.replace(
+        WorkerRecord(
+            f"w{i}",
+            "llm",
+            f"127.0.0.1:{9000 + i}",
+            node=f"node{i % 2}",
+            operations=("generate",),
+            metadata={"weight": str(i + 1)},
+        )
+        for i in range(n)
+    )
+    return t
+
+
+def _ids(t: WorkerTable, strategy: str, n: int, **kw) -> list[str]:
+    return [t.pick("llm", strategy, **kw).worker.worker_id for _ in range(n)]
+
+
+def test_round_robin_cycles_and_exclude_skips():
+    t = _table()
+    assert _ids(t, "round_robin", 6) == ["w0", "w1", "w2", "w0", "w1", "w2"]
+    assert set(_ids(t, "round_robin", 4, exclude=("w1",))) == {"w0", "w2"}
+
+
+def test_unknown_role_strategy_and_operation():
+    t = _table()
+    with pytest.raises(NotFound, match="no live worker of role 'talker'"):
+        t.pick("talker", "round_robin")
+    with pytest.raises(NotFound, match="serving 'encode'"):
+        t.pick("llm", "round_robin", operation="encode")
+    with pytest.raises(InvalidArgument, match="unknown strategy 'fastest'"):
+        t.pick("llm", "fastest")
+
+
+def test_least_outstanding_and_power_of_two_avoid_the_busy_worker():
+    t = _table()
+    for _ in range(5):
+        t.begin("w0")
+        t.begin("w1")
+    assert set(_ids(t, "least_outstanding", 5)) == {"w2"}
+    # Of any two sampled, the idle one wins whenever it is sampled; w0/w1 tie otherwise.
+    counts = collections.Counter(_ids(t, "power_of_two", 300))
+    assert counts["w2"] > 150
+    t.finish("w0", None, True)
+    assert t.load("w0") == 4
+
+
+def test_consistent_hash_is_sticky_and_moves_little_when_a_worker_goes():
+    t = _table(4)
+    keys = [f"session-{i}" for i in range(200)]
+    before = {k: t.pick("llm", "consistent_hash", session_key=k).worker.worker_id for k in keys}
+    assert before == {
+        k: t.pick("llm", "consistent_hash", session_key=k).worker.worker_id for k in keys
+    }
+    assert len(set(before.values())) == 4
+    after = {
+        k: t.pick("llm", "consistent_hash", session_key=k, exclude=("w3",)).worker.worker_id
+        for k in keys
+    }
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(before[k] == "w3" for k in moved)  # only w3's sessions move
+    r = t.pick("llm", "consistent_hash")
+    assert r.strategy == "round_robin" and r.fallback_reason == "no session key"
+
+
+def test_weighted_follows_the_weights():
+    t = _table()
+    counts = collections.Counter(_ids(t, "weighted", 600))
+    assert counts == {"w0": 100, "w1": 200, "w2": 300}  # smooth WRR is exact per cycle
+
+
+def test_kv_aware_prefers_reachable_blocks_with_tier_credit():
+    t = _table()
+    reach = [
+        Reach("w1", "worker", "node1", "127.0.0.1:9001", 8, (8, 0, 0)),
+        Reach("agent-node0", "agent", "node0", "x", 10, (0, 10, 0)),
+    ]
+    r = t.pick("llm", "kv_aware", reach=reach, prompt_blocks=10)
+    # w0 and w2 sit on node0: 10 host blocks → credit 7.5, cost 2.5; w1: credit 8 → cost 2.
+    assert r.worker.worker_id == "w1" and r.cost == pytest.approx(2.0)
+    assert r.reachable_blocks == 8
+    credit, reachable = t.reachable(t.list()[0], reach)
+    assert (credit, reachable) == (pytest.approx(7.5), 10)
+    ssd = [Reach("agent-node0", "agent", "node0", "x", 10, (0, 0, 10))]
+    assert t.reachable(t.list()[0], ssd)[0] == pytest.approx(2.5)
+
+
+def test_kv_aware_weighs_load_and_falls_back_to_load_only():
+    t = _table()
+    reach = [Reach("w1", "worker", "node1", "127.0.0.1:9001", 4, (4, 0, 0))]
+    for _ in range(6):
+        t.begin("w1")  # 6 outstanding outweigh 4 cached blocks
+    r = t.pick("llm", "kv_aware", reach=reach, prompt_blocks=8)
+    assert r.worker.worker_id != "w1"
+    r = t.pick("llm", "kv_aware", reach=None, prompt_blocks=8, fallback_reason="kv index timed out")
+    assert r.fallback_reason == "kv index timed out" and r.worker.worker_id != "w1"
+
+
+def test_kv_aware_temperature_spreads_near_equal_workers():
+    t = _table()
+    cold = collections.Counter(_ids(t, "kv_aware", 200, reach=[], prompt_blocks=4))
+    hot = collections.Counter(_ids(t, "kv_aware", 300, reach=[], prompt_blocks=4, temperature=5.0))
+    assert len(hot) == 3 and min(hot.values()) > 50
+    assert sum(cold.values()) == 200
+
+
+def test_circuit_breaker_opens_half_opens_and_closes():
+    b = CircuitBreaker(threshold=2, cooldown_s=10.0)
+    assert b.allows(0.0)
+    assert not b.record(False, 0.0)
+    assert b.record(False, 1.0) and b.state == "open"
+    assert not b.allows(5.0)
+    assert b.allows(11.5) and b.state == "half_open"
+    b.on_pick()
+    assert not b.allows(11.6)  # one trial at a time
+    b.record(True, 12.0)
+    assert b.state == "closed" and b.allows(12.0)
+
+
+def test_table_skips_open_breakers_and_ignores_caller_errors():
+    t = _table(breaker_threshold=2, breaker_cooldown_s=60.0)
+    for _ in range(5):
+        t.finish("w1", None, False, "INVALID_ARGUMENT")  # the caller's fault: neutral
+    assert t.breakers()["w1"] == "closed"
+    t.finish("w1", None, False, "UNAVAILABLE")
+    t.finish("w1", None, False, "UNAVAILABLE")
+    assert t.breakers()["w1"] == "open" and t.counters["breaker_opened"] == 1
+    assert "w1" not in _ids(t, "round_robin", 6)
+    t.set_health("w0", False)
+    assert set(_ids(t, "round_robin", 4)) == {"w2"}
