@@ -5,6 +5,7 @@ from omniflow_services.worker.engine.connector import BlockEventSink, KVConnecto
 from omniflow_services.worker.engine.engine import Engine
 from omniflow_services.worker.engine.sampling import SamplingParams
 from omniflow_services.worker.engine.types import (
+    EmbedSpan,
     EngineLoad,
     EngineStats,
     GenerateRequest,
@@ -14,6 +15,7 @@ from omniflow_services.worker.engine.types import (
 
 __all__ = [
     "BlockEventSink",
+    "EmbedSpan",
     "Engine",
     "EngineConfig",
     "EngineLoad",

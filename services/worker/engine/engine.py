@@ -28,6 +28,7 @@ from omniflow_services.worker.engine.prefix_cache import PrefixCache
 from omniflow_services.worker.engine.sampling import sample
 from omniflow_services.worker.engine.scheduler import ScheduledSeq, Scheduler, SeqState
 from omniflow_services.worker.engine.types import (
+    EmbedSpan,
     EngineLoad,
     EngineStats,
     GenerateRequest,
@@ -114,9 +115,13 @@ class Engine:
         if not ids:
             raise InvalidArgument("the prompt is empty: send at least 1 token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        covered = self._check_embeds(req.embeds, len(ids))
+        bad = [i for i, t in enumerate(ids) if not 0 <= t < vocab and i not in covered]
         if bad:
-            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise InvalidArgument(
+                f"token id {ids[bad[0]]} (position {bad[0]}) is outside the vocabulary "
+                f"[0, {vocab}) and no media embeddings are given for that position"
+            )
         req.params.validate(vocab)
         if len(ids) >= self.max_model_len:
             raise InvalidArgument(
@@ -136,6 +141,29 @@ class Engine:
                 f"{self.pool.num_pages}"
             )
         return ids
+
+    def _check_embeds(self, spans: tuple[EmbedSpan, ...], n: int) -> set[int]:
+        """Positions the spans cover; spans must lie inside the prompt and not overlap."""
+        covered: set[int] = set()
+        hidden = self.model_config.hidden_size
+        for k, sp in enumerate(sorted(spans, key=lambda x: x.start)):
+            if sp.length <= 0 or sp.start < 0 or sp.start + sp.length > n:
+                raise InvalidArgument(
+                    f"embeddings span {k} [{sp.start}, {sp.start + sp.length}) is empty or "
+                    f"outside the {n}-token prompt"
+                )
+            if sp.start in covered:
+                raise InvalidArgument(f"embeddings span {k} overlaps the previous span")
+            if isinstance(sp.embeds, torch.Tensor) and tuple(sp.embeds.shape) != (
+                sp.length,
+                hidden,
+            ):
+                raise InvalidArgument(
+                    f"embeddings span {k} has shape {tuple(sp.embeds.shape)}; the span needs "
+                    f"({sp.length}, {hidden}) (placeholder tokens x the model's hidden size)"
+                )
+            covered.update(range(sp.start, sp.start + sp.length))
+        return covered
 
     def add_request(self, req: GenerateRequest) -> None:
         """Validate and queue a request; raises ``InvalidArgument`` naming the limit broken."""
@@ -160,6 +188,8 @@ class Engine:
             extra_keys=dict(req.extra_keys or {}),
             want_logits=req.return_logits,
             generator=gen,
+            embeds=tuple(sorted(req.embeds, key=lambda x: x.start)),
+            want_kv=req.return_kv,
         )
         if self.tokenizer is not None:
             seq.detok = Detokenizer(self.tokenizer, p.stop)
@@ -293,6 +323,26 @@ class Engine:
             self._seqs.pop(seq.request_id, None)
         return self._output(seq, new, text, reason, None)
 
+    def _chunk_embeds(
+        self, seq: SeqState, start: int, n: int
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Rows (within the chunk) and embeddings of the media positions in [start, start+n)."""
+        rows: list[int] = []
+        values: list[torch.Tensor] = []
+        for sp in seq.embeds:
+            lo, hi = max(start, sp.start), min(start + n, sp.start + sp.length)
+            if lo >= hi:
+                continue
+            emb = sp.embeds if isinstance(sp.embeds, torch.Tensor) else sp.embeds()
+            if tuple(emb.shape) != (sp.length, self.model_config.hidden_size):
+                raise InvalidArgument(
+                    f"embeddings at position {sp.start} have shape {tuple(emb.shape)}; "
+                    f"want ({sp.length}, {self.model_config.hidden_size})"
+                )
+            rows.extend(range(lo - start, hi - start))
+            values.append(emb[lo - sp.start : hi - sp.start])
+        return rows, values
+
     def _output(
         self,
         seq: SeqState,
@@ -318,11 +368,26 @@ class Engine:
     def _run(self, scheduled: list[ScheduledSeq], outputs: list[RequestOutput]) -> None:
         ps = self.layout.page_size
         inputs = []
+        kept = []
         for s in scheduled:
             nc = s.seq.num_computed
-            inputs.append(
-                SeqInput(s.seq.tokens[nc : nc + s.num_tokens], nc, s.seq.pages, s.completes)
-            )
+            inp = SeqInput(s.seq.tokens[nc : nc + s.num_tokens], nc, s.seq.pages, s.completes)
+            if s.seq.embeds:
+                try:
+                    rows, values = self._chunk_embeds(s.seq, nc, s.num_tokens)
+                except Exception as exc:  # this request's media failed: drop it, not the step
+                    log.warning("request %s: media embeddings failed: %s", s.seq.request_id, exc)
+                    out = self._finish(s.seq, "abort", (), "")
+                    outputs.append(_with_logits(out, None, error=exc))
+                    continue
+                if rows:
+                    inp.embed_rows = rows
+                    inp.embed_values = torch.cat(values).to(self._device, self.model.dtype)
+            inputs.append(inp)
+            kept.append(s)
+        scheduled = kept
+        if not scheduled:
+            return
         batch = build_batch(inputs, ps, self._device)
         logits = self.model.forward(batch, self.pool)
         self.stats.steps += 1
@@ -335,12 +400,17 @@ class Engine:
         self._write_through(written)
         if not done:
             return
+        vocab = self.model_config.vocab_size
         seen = [
-            torch.tensor(sorted(set(q.tokens)), dtype=torch.long, device=self._device)
+            # pad ids of media positions are not vocabulary ids: no penalty for them
+            torch.tensor(
+                sorted(t for t in set(q.tokens) if t < vocab), dtype=torch.long, device=self._device
+            )
             if q.params.repetition_penalty != 1.0
             else None
             for q in done
         ]
+        kvs = {id(q): self._gather_kv(q) for q in done if q.want_kv and q.num_output == 0}
         tokens = sample(logits, [q.params for q in done], seen, [q.generator for q in done])
         for row, (seq, tok) in enumerate(zip(done, tokens, strict=True)):
             seq.tokens.append(tok)
@@ -353,11 +423,24 @@ class Engine:
                 reason = "length"
             text = seq.detok.delta(final=reason is not None) if seq.detok is not None else ""
             row_logits = logits[row : row + 1].cpu() if seq.want_logits else None
+            kv = kvs.get(id(seq))
             if reason is None:
-                outputs.append(self._output(seq, (tok,), text, None, row_logits))
+                out = self._output(seq, (tok,), text, None, row_logits)
             else:
                 out = self._finish(seq, reason, (tok,), text)
-                outputs.append(out if row_logits is None else _with_logits(out, row_logits))
+            if row_logits is not None or kv is not None:
+                out = _with_logits(out, row_logits, kv=kv)
+            outputs.append(out)
+
+    def _gather_kv(self, seq: SeqState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's K and V from the seq's pages, each [layers, kv_heads, len, dim]."""
+        n = seq.prompt_len
+        ps = self.layout.page_size
+        idx = torch.tensor(seq.pages[: -(-n // ps)], dtype=torch.long, device=self._device)
+        data = self.pool.data.index_select(3, idx)  # [2, L, H, pages, P, D]
+        two, layers, heads, pages, page, dim = data.shape
+        kv = data.reshape(two, layers, heads, pages * page, dim)[:, :, :, :n].clone()
+        return kv[0], kv[1]
 
     # ------------------------------------------------------------------- async
 
@@ -377,6 +460,8 @@ class Engine:
                     finished = True  # the engine already dropped the request
                     raise out
                 finished = out.finished
+                if out.error is not None:
+                    raise out.error
                 yield out
         finally:
             self._streams.pop(req.request_id, None)
@@ -406,7 +491,13 @@ class Engine:
                     q.put_nowait(out)
 
 
-def _with_logits(out: RequestOutput, logits: torch.Tensor) -> RequestOutput:
+def _with_logits(
+    out: RequestOutput,
+    logits: torch.Tensor | None,
+    *,
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    error: BaseException | None = None,
+) -> RequestOutput:
     return RequestOutput(
         out.request_id,
         out.new_token_ids,
@@ -415,4 +506,6 @@ def _with_logits(out: RequestOutput, logits: torch.Tensor) -> RequestOutput:
         out.finish_reason,
         out.usage,
         logits,
+        kv,
+        error,
     )

@@ -52,6 +52,8 @@ class ForwardBatch:
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSeq]
     logit_rows: torch.Tensor
+    embed_rows: torch.Tensor | None = None
+    embed_values: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -62,6 +64,9 @@ class SeqInput:
     start: int
     pages: list[int]
     want_logits: bool
+    # Media positions of this chunk (row offsets) and their input embeddings [rows, hidden].
+    embed_rows: list[int] | None = None
+    embed_values: torch.Tensor | None = None
 
 
 def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> ForwardBatch:
@@ -75,11 +80,19 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> F
     decode_ctx: list[int] = []
     prefills: list[PrefillSeq] = []
     logit_rows: list[int] = []
+    e_rows: list[int] = []
+    e_values: list[torch.Tensor] = []
     for s in seqs:
         row0 = len(ids)
         n = len(s.tokens)
         ctx = s.start + n
         ids.extend(s.tokens)
+        if s.embed_rows:
+            assert s.embed_values is not None
+            for r in s.embed_rows:
+                ids[row0 + r] = 0  # a pad id is no vocabulary id: the embedding replaces it
+            e_rows.extend(row0 + r for r in s.embed_rows)
+            e_values.append(s.embed_values)
         p = list(range(s.start, ctx))
         pos.extend(p)
         spages.extend(s.pages[x // page_size] for x in p)
@@ -125,6 +138,8 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> F
         decode_mask=d_mask,
         prefills=prefills,
         logit_rows=t(logit_rows),
+        embed_rows=t(e_rows) if e_rows else None,
+        embed_values=torch.cat(e_values) if e_values else None,
     )
 
 
@@ -162,6 +177,8 @@ class DecoderModel:
         """Run the batch, write its K/V into ``pool``; return logits [len(logit_rows), vocab]."""
         cfg = self.cfg
         h = F.embedding(batch.input_ids, self.embed)
+        if batch.embed_rows is not None:
+            h.index_copy_(0, batch.embed_rows, batch.embed_values.to(h.dtype))
         cos, sin = self.rotary.cos_sin(batch.positions, self.dtype, batch.max_position)
         for li, lw in enumerate(self.layers):
             x = _rms_norm(h, lw.in_norm, cfg.rms_norm_eps)

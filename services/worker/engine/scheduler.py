@@ -50,6 +50,8 @@ class SeqState:
     status: SeqStatus = SeqStatus.WAITING
     matched_once: bool = False
     detok: Any = None
+    embeds: tuple[Any, ...] = ()  # EmbedSpan, sorted by start
+    want_kv: bool = False
 
     @property
     def num_output(self) -> int:

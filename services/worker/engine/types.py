@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from omniflow_services.worker.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedSpan:
+    """Input embeddings for prompt positions ``[start, start + length)`` (a media item).
+
+    The prompt holds the item's pad ids there (``omniflow.kv.blocks.apply_multimodal``).
+    ``embeds`` is a ``[length, hidden]`` tensor, or a zero-argument callable returning one:
+    the engine calls it only when some position of the span must be computed (not when
+    the whole span is served from the prefix cache), on its step thread.
+    """
+
+    start: int
+    length: int
+    embeds: torch.Tensor | Callable[[], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +32,9 @@ class GenerateRequest:
     ``extra_keys`` maps a page index to its encoded multimodal extra keys
     (``omniflow.kv.blocks.encode_extra_keys``). ``return_logits`` attaches the float32
     logits row each token was sampled from (for correctness tests and debugging).
+    ``embeds`` places media embeddings at pad-id positions of the prompt. ``return_kv``
+    attaches the prompt's K/V (``RequestOutput.kv``) to the first output, for a role that
+    attends to the prompt afterwards (the image denoiser).
     """
 
     request_id: str
@@ -24,6 +43,8 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     extra_keys: dict[int, bytes] | None = None
     return_logits: bool = False
+    embeds: tuple[EmbedSpan, ...] = ()
+    return_kv: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +59,10 @@ class RequestOutput:
     """What one step produced for one request (a stream item).
 
     ``finish_reason`` is None while running, else "stop", "length" or "abort".
-    ``logits`` is [len(new_token_ids), vocab] when the request asked for it.
+    ``logits`` is [len(new_token_ids), vocab] when the request asked for it. ``kv`` is the
+    prompt's (K, V), each ``[layers, kv_heads, prompt_len, head_dim]``, on the first output
+    of a request that asked for it. ``error`` says why a request was dropped (finish
+    reason "abort"), e.g. its embeddings could not be produced.
     """
 
     request_id: str
@@ -48,6 +72,8 @@ class RequestOutput:
     finish_reason: str | None
     usage: Usage
     logits: torch.Tensor | None = None
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True, slots=True)
