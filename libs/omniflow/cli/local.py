@@ -43,12 +43,16 @@ def run_dir() -> Path:
 
 
 def _alive(proc: Proc) -> bool:
+    """Whether ``proc.pid`` still runs what ``up`` started (not a zombie, not a reused PID)."""
     try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return False
-    # A zombie has an empty cmdline: it is gone for our purposes.
-    return bool(cmdline) and proc.marker in cmdline
+    if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+        return False  # exited; its parent has not reaped it yet
+    # An empty cmdline on a live process: it is between fork and exec (just started).
+    return not cmdline or proc.marker in cmdline
 
 
 def _load_state(folder: Path) -> tuple[list[Proc], dict[str, str]]:
@@ -232,3 +236,13 @@ def down() -> int:
         print(f"stopped {p.name} (pid {p.pid}){' with SIGKILL' if p.name in killed else ''}")
     (folder / STATE).unlink(missing_ok=True)
     return 0
+
+
+def local_address(name: str) -> str | None:
+    """The address of service ``name`` ("router", "coordinator", "llm-1", ...) of the
+    running local topology, or None when it is not running."""
+    procs, _ = _load_state(run_dir())
+    for p in procs:
+        if p.name == name and _alive(p):
+            return p.address or None
+    return None
