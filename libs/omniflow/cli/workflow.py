@@ -148,6 +148,17 @@ class Progress:
                 print(f"  FAILED {e.node}: {e.error}", file=self.out, flush=True)
 
 
+def _jsonable(value: Any) -> Any:
+    """Outputs as JSON: plain values as they are, bytes and tensors briefly."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, list | tuple) and not isinstance(value, bytes):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return brief(value)
+
+
 async def _run(args: argparse.Namespace) -> int:
     from omniflow.client import Client
 
@@ -164,10 +175,7 @@ async def _run(args: argparse.Namespace) -> int:
             deadline_ms=args.deadline_ms,
             on_event=progress,
         )
-    shown = {
-        k: v if isinstance(v, str | int | float | bool) else brief(v)
-        for k, v in result.outputs.items()
-    }
+    shown = {k: _jsonable(v) for k, v in result.outputs.items()}
     if not args.quiet:
         print(f"{result.state}: run {result.run_id}", file=sys.stderr)
     if result.ok:
