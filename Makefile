@@ -42,7 +42,8 @@ status: ## show the local topology
 down: ## stop everything `make up` started
 	$(VENV)/bin/omniflow down
 
-demo: up ## start the topology and stream a reply from an llm worker
+demo: setup ## start the topology (unless running) and stream a reply from an llm worker
+	@$(VENV)/bin/omniflow status >/dev/null 2>&1 || $(VENV)/bin/omniflow up
 	$(PY) examples/chat.py "Hello, Omni-Flow"
 
 bench: setup ## run every benchmark (prints tables)
