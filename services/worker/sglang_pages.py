@@ -1,0 +1,266 @@
+"""The pure parts of the SGLang HiCache backend: page keys, page byte order, batching.
+
+Nothing here imports SGLang or gRPC, so it is unit-tested on any machine.
+
+Keys. SGLang names a HiCache page by a string: ``get_hash_str`` chains
+``sha256(prior page's digest ‖ tokens as little-endian u32)`` and passes the hex digest
+(64 characters) to the storage backend, one key per page (sglang 0.5.x,
+``python/sglang/srt/mem_cache/hicache_storage.py`` / ``utils.py``; requests without
+``extra_key``/``cache_salt``). The Data Flow layer names a page by a 16-byte block hash in a
+namespace (DESIGN.md §4.1). ``KeyMapper`` maps one to the other:
+``xxh3_128("omniflow-sglang-key-v1" ‖ namespace ‖ key)``. The result is deterministic, so
+every SGLang worker of the same model and layout finds the pages any other one stored; it
+never equals a built-in engine block hash (those hash tokens, not SGLang keys), so the two
+engines share the cache infrastructure, not individual pages. ``sglang_page_keys`` computes
+SGLang's keys from token ids, so the worker can report the block hashes its prompt will
+have in the index (kv-aware routing) without asking SGLang.
+
+Byte order. SGLang's host pool hands out a page as one flat tensor whose element order
+depends on ``--hicache-mem-layout`` (``MHATokenToKVPoolHost.init_kv_buffer``):
+
+==================== =========================================
+layout               flat page order (after the K/V axis)
+==================== =========================================
+layer_first          layers, tokens, heads, head_dim
+page_first           tokens, layers, heads, head_dim
+page_first_direct    layers, tokens, heads, head_dim
+page_head            heads, tokens, layers, head_dim
+==================== =========================================
+
+Pages travel in the contract order ``KVLayout.page_shape`` = (2, layers, heads, tokens,
+head_dim); ``HostPageFormat`` permutes between the two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import torch
+import xxhash
+
+from omniflow.errors import InvalidArgument
+from omniflow.kv.blocks import HASH_BYTES, KVLayout
+
+_T = TypeVar("_T")
+
+KEY_DOMAIN = b"omniflow-sglang-key-v1"
+
+# Axis names of each SGLang host layout's flat page, after the leading K/V axis.
+HOST_LAYOUTS: dict[str, tuple[str, str, str, str]] = {
+    "layer_first": ("layer", "token", "head", "dim"),
+    "page_first": ("token", "layer", "head", "dim"),
+    "page_first_direct": ("layer", "token", "head", "dim"),
+    "page_head": ("head", "token", "layer", "dim"),
+}
+_OURS = ("layer", "head", "token", "dim")
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Our dtype name of a torch dtype (InvalidArgument for one pages cannot carry)."""
+    for name, value in _TORCH_DTYPES.items():
+        if value == dtype:
+            return name
+    raise InvalidArgument(f"KV dtype {dtype} is not accepted; accepted: {sorted(_TORCH_DTYPES)}")
+
+
+# --- keys ----------------------------------------------------------------------------------
+
+
+def sglang_page_keys(tokens: Sequence[int], page_size: int, prior: str = "") -> list[str]:
+    """SGLang's HiCache key of every full page of ``tokens`` (hex sha256, chained)."""
+    if page_size <= 0:
+        raise InvalidArgument(f"page_size must be > 0, got {page_size}")
+    keys: list[str] = []
+    digest = bytes.fromhex(prior) if prior else b""
+    for start in range(0, len(tokens) // page_size * page_size, page_size):
+        h = hashlib.sha256(digest)
+        for t in tokens[start : start + page_size]:
+            h.update(int(t).to_bytes(4, "little", signed=False))
+        digest = h.digest()
+        keys.append(digest.hex())
+    return keys
+
+
+@dataclass(frozen=True, slots=True)
+class KeyMapper:
+    """SGLang page keys → 16-byte block hashes of one namespace."""
+
+    namespace: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.namespace) != HASH_BYTES:
+            raise InvalidArgument(
+                f"namespace must be {HASH_BYTES} bytes, got {len(self.namespace)}"
+            )
+
+    def block_hash(self, key: str) -> bytes:
+        if not key:
+            raise InvalidArgument("an SGLang page key must not be empty")
+        h = xxhash.xxh3_128()
+        h.update(KEY_DOMAIN)
+        h.update(self.namespace)
+        h.update(key.encode())
+        return h.digest()
+
+    def block_hashes(self, keys: Sequence[str]) -> list[bytes]:
+        return [self.block_hash(k) for k in keys]
+
+    def prompt_hashes(self, tokens: Sequence[int], page_size: int) -> list[bytes]:
+        """Block hashes the pages of ``tokens`` get when SGLang stores them through us."""
+        return self.block_hashes(sglang_page_keys(tokens, page_size))
+
+
+# --- page byte order -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HostPageFormat:
+    """One SGLang host-pool page: its layout name and sizes (per tensor-parallel rank)."""
+
+    layout: str
+    num_layers: int
+    num_heads: int
+    page_size: int
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.layout not in HOST_LAYOUTS:
+            raise InvalidArgument(
+                f"HiCache layout {self.layout!r} is not accepted; accepted: {sorted(HOST_LAYOUTS)}"
+            )
+        if self.dtype not in _TORCH_DTYPES:
+            raise InvalidArgument(
+                f"KV dtype {self.dtype!r} is not accepted; accepted: {sorted(_TORCH_DTYPES)}"
+            )
+        for name in ("num_layers", "num_heads", "page_size", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return 2 * self.num_layers * self.num_heads * self.page_size * self.head_dim
+
+    @property
+    def page_bytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+    def _sizes(self) -> dict[str, int]:
+        return {
+            "layer": self.num_layers,
+            "head": self.num_heads,
+            "token": self.page_size,
+            "dim": self.head_dim,
+        }
+
+    @property
+    def host_shape(self) -> tuple[int, ...]:
+        sizes = self._sizes()
+        return (2, *(sizes[a] for a in HOST_LAYOUTS[self.layout]))
+
+    def kv_layout(self, model_id: str, lora_id: str = "") -> KVLayout:
+        """The namespace layout of these pages (our byte order, same sizes)."""
+        return KVLayout(
+            model_id=model_id,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            page_size=self.page_size,
+            lora_id=lora_id,
+        )
+
+    def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        if t.numel() * t.element_size() != self.page_bytes:
+            raise InvalidArgument(
+                f"{what} is {t.numel() * t.element_size()} bytes; a page of {self} is "
+                f"{self.page_bytes}"
+            )
+        return t
+
+    def to_contract(self, flat: torch.Tensor) -> torch.Tensor:
+        """A host-layout flat page → a contiguous uint8 CPU tensor in ``KVLayout.page_shape``
+        order (one permuting copy)."""
+        self._check(flat, "the SGLang page")
+        src = HOST_LAYOUTS[self.layout]
+        page = flat.reshape(-1).view(self.torch_dtype).reshape(self.host_shape)
+        perm = (0, *(1 + src.index(a) for a in _OURS))
+        return page.permute(perm).contiguous().cpu().view(torch.uint8).reshape(-1)
+
+    def from_contract(
+        self, data: torch.Tensor | np.ndarray | bytes | bytearray | memoryview
+    ) -> torch.Tensor:
+        """Page bytes in contract order → a contiguous flat tensor of ``dtype`` in the host
+        layout (what ``set_from_flat_data_page`` takes)."""
+        if isinstance(data, np.ndarray):
+            data = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        elif not isinstance(data, torch.Tensor):
+            data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._check(data, "the stored page")
+        sizes = self._sizes()
+        ours = data.reshape(-1).view(torch.uint8).view(self.torch_dtype)
+        ours = ours.reshape(2, *(sizes[a] for a in _OURS))
+        dst = HOST_LAYOUTS[self.layout]
+        perm = (0, *(1 + _OURS.index(a) for a in dst))
+        return ours.permute(perm).contiguous().reshape(-1)
+
+
+def host_format_of(pool: object, tp_size: int = 1) -> HostPageFormat:
+    """The page format of an SGLang MHA host pool (``mem_pool_host``), read from its fields."""
+    layout = getattr(pool, "layout", None)
+    fields = ("layer_num", "head_num", "page_size", "head_dim", "dtype")
+    missing = [f for f in fields if not hasattr(pool, f)]
+    if layout is None or missing:
+        raise InvalidArgument(
+            f"the host pool {type(pool).__name__} lacks {missing or ['layout']}: only MHA "
+            "host pools (not MLA or hybrid) can be stored through the kv-agent"
+        )
+    return HostPageFormat(
+        layout=str(layout),
+        num_layers=int(pool.layer_num),  # type: ignore[attr-defined]
+        num_heads=int(pool.head_num),  # type: ignore[attr-defined]
+        page_size=int(pool.page_size),  # type: ignore[attr-defined]
+        head_dim=int(pool.head_dim),  # type: ignore[attr-defined]
+        dtype=dtype_name(pool.dtype),  # type: ignore[attr-defined]
+    )
+
+
+def namespace_model_id(model_id: str, tp_rank: int, tp_size: int) -> str:
+    """The model id of one rank's pages: a rank of a tensor-parallel group holds only its
+    heads, so each rank is a namespace of its own; a single GPU keeps the plain id."""
+    return model_id if tp_size <= 1 else f"{model_id}@tp{tp_rank}of{tp_size}"
+
+
+# --- batching ------------------------------------------------------------------------------
+
+
+def batched(items: Sequence[_T], size: int) -> Iterator[Sequence[_T]]:
+    """Consecutive slices of at most ``size`` items."""
+    if size <= 0:
+        raise InvalidArgument(f"batch size must be > 0, got {size}")
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def leading_run(flags: Sequence[bool]) -> int:
+    """How many leading entries are True (HiCache counts hits as a prefix)."""
+    for i, ok in enumerate(flags):
+        if not ok:
+            return i
+    return len(flags)
