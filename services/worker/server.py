@@ -10,6 +10,7 @@ import grpc
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.errors import InvalidArgument
+from omniflow.kv.wire import layout_to_proto
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import unimplemented
 from omniflow.workers import WORKER_SERVICE, worker_metadata
@@ -129,15 +130,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.LoadModelResponse(
             model=core.model,
             kv_namespace=core.kv_namespace,
-            kv_layout=common_pb2.KVLayout(
-                model_id=layout.model_id,
-                num_layers=layout.num_layers,
-                num_kv_heads=layout.num_kv_heads,
-                head_dim=layout.head_dim,
-                dtype=layout.dtype,
-                page_size=layout.page_size,
-                lora_id=layout.lora_id,
-            ),
+            kv_layout=layout_to_proto(layout),
         )
 
     async def Abort(
