@@ -127,13 +127,12 @@ def cluster(launch: Callable[..., Proc]) -> Callable[..., dict[str, Proc]]:
                 procs[name] = launch(ECHO, name, **env)
         for proc in procs.values():
             proc.wait_ready()
-        procs["router"] = launch(
-            ROUTER,
-            "router",
-            OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.2",
-            OMNIFLOW_ROUTER_BREAKER_COOLDOWN_S="30",
+        env = {
+            "OMNIFLOW_ROUTER_HEALTH_INTERVAL_S": "0.2",
+            "OMNIFLOW_ROUTER_BREAKER_COOLDOWN_S": "30",
             **(router_env or {}),
-        ).wait_ready()
+        }
+        procs["router"] = launch(ROUTER, "router", **env).wait_ready()
         procs["coordinator"] = launch(
             COORDINATOR,
             "coordinator",

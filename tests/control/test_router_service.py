@@ -1,0 +1,148 @@
+"""The router as a real process: proxy mode, retry-once, breakers, KV-aware picks from
+the blocks echo TEST workers publish to the KV index, and the load-only fallback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
+from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.kv.blocks import block_hashes
+from omniflow.rpc.client import open_channel
+from omniflow.testing.echo_worker import ECHO_LAYOUT
+from omniflow.values import from_python
+
+pytestmark = pytest.mark.integration
+
+KV = router_pb2.STRATEGY_KV_AWARE
+
+
+async def generate(stub: worker_pb2_grpc.WorkerServiceStub, prompt: str) -> tuple[str, int]:
+    text, cached = [], 0
+    async for chunk in stub.Generate(worker_pb2.GenerateRequest(text=prompt)):
+        text.append(chunk.text)
+        cached = chunk.usage.cached_tokens or cached
+    return "".join(text), cached
+
+
+async def test_proxy_kv_aware_and_stats(cluster):
+    procs = cluster(
+        {"llm": 3},
+        worker_env={"OMNIFLOW_ECHO_PUBLISH_KV": "1"},
+        router_env={"OMNIFLOW_ROUTER_KV_INDEX": "redis"},
+    )
+    async with open_channel(procs["router"].address) as channel:
+        proxy = worker_pb2_grpc.WorkerServiceStub(channel)
+        router = router_pb2_grpc.RouterServiceStub(channel)
+        assert (await generate(proxy, "hello there"))[0] == "echo: hello there"
+        reply = await proxy.Invoke(
+            worker_pb2.InvokeRequest(operation="upper", inputs={"text": from_python("abc")}),
+            metadata=(("x-omniflow-role", "llm"),),
+        )
+        assert reply.outputs["text"].text == "ABC"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await proxy.Encode(worker_pb2.EncodeRequest())
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND  # no encoder role is live
+
+        # KV-aware: the worker that served a prompt holds its blocks; the next turn of the
+        # same conversation goes back to it, whatever the round-robin cursor says.
+        prompt = "system: you are terse. user: tell me about paged attention please"
+        hashes = block_hashes(ECHO_LAYOUT.namespace, list(prompt.encode()), ECHO_LAYOUT.page_size)
+        first = await router.Pick(
+            router_pb2.PickRequest(
+                role="llm",
+                strategy=KV,
+                kv_namespace=ECHO_LAYOUT.namespace_hex,
+                block_hashes=hashes,
+            )
+        )
+        assert first.reachable_blocks == 0 and first.fallback_reason == ""
+        owner = first.worker
+        async with open_channel(owner.address) as wch:
+            _, cached = await generate(worker_pb2_grpc.WorkerServiceStub(wch), prompt)
+        assert cached == 0
+        await router.ReportOutcome(
+            router_pb2.ReportOutcomeRequest(worker_id=owner.worker_id, success=True)
+        )
+        for _ in range(4):
+            again = await router.Pick(
+                router_pb2.PickRequest(
+                    role="llm",
+                    strategy=KV,
+                    kv_namespace=ECHO_LAYOUT.namespace_hex,
+                    block_hashes=hashes,
+                )
+            )
+            assert again.worker.worker_id == owner.worker_id
+            assert again.reachable_blocks == len(hashes) and again.cost == pytest.approx(0.0)
+            await router.ReportOutcome(
+                router_pb2.ReportOutcomeRequest(worker_id=owner.worker_id, success=True)
+            )
+        stats = await router.GetStats(router_pb2.GetStatsRequest())
+        assert stats.counters["pick_kv_aware"] == 5
+        assert "kv_fallback_error" not in stats.counters
+        assert set(stats.breakers.values()) == {"closed"}
+
+
+async def test_breaker_opens_on_reported_failures_and_kv_falls_back_to_load(cluster):
+    procs = cluster(
+        {"llm": 2},
+        router_env={"OMNIFLOW_ROUTER_KV_INDEX": "grpc", "OMNIFLOW_ROUTER_BREAKER_THRESHOLD": "2"},
+    )
+    async with open_channel(procs["router"].address) as channel:
+        router = router_pb2_grpc.RouterServiceStub(channel)
+        for _ in range(2):
+            await router.ReportOutcome(
+                router_pb2.ReportOutcomeRequest(
+                    worker_id="llm-0", success=False, error_code="UNAVAILABLE"
+                )
+            )
+        stats = await router.GetStats(router_pb2.GetStatsRequest())
+        assert stats.breakers["llm-0"] == "open" and stats.counters["breaker_opened"] == 1
+        picks = [
+            (await router.Pick(router_pb2.PickRequest(role="llm"))).worker.worker_id
+            for _ in range(4)
+        ]
+        assert picks == ["llm-1"] * 4
+        # No kv-index is running: kv_aware answers by load, says so, and counts it.
+        reply = await router.Pick(
+            router_pb2.PickRequest(
+                role="llm", strategy=KV, kv_namespace="00" * 16, block_hashes=[b"\x01" * 16]
+            )
+        )
+        assert reply.fallback_reason.startswith("kv index failed (UNAVAILABLE)")
+        stats = await router.GetStats(router_pb2.GetStatsRequest())
+        assert stats.counters["kv_fallback_error"] == 1
+
+
+async def test_proxy_retries_an_idempotent_call_once_on_another_worker(cluster):
+    # No health polling: the dead worker stays a candidate until discovery drops it.
+    procs = cluster(
+        {"llm": 2},
+        router_env={"OMNIFLOW_ROUTER_HEALTH_INTERVAL_S": "0"},
+        worker_env={"OMNIFLOW_REGISTRATION_TTL_S": "30"},
+    )
+    procs["llm-0"].kill()
+    async with open_channel(procs["router"].address) as channel:
+        proxy = worker_pb2_grpc.WorkerServiceStub(channel)
+        router = router_pb2_grpc.RouterServiceStub(channel)
+        texts = await asyncio.gather(*(generate(proxy, f"q{i}") for i in range(4)))
+        assert [t for t, _ in texts] == [f"echo: q{i}" for i in range(4)]
+        stats = await router.GetStats(router_pb2.GetStatsRequest())
+        assert stats.counters["proxy_retries"] >= 1
+        # Invoke is not idempotent unless the caller says so: no retry, the error shows.
+        codes = []
+        for _ in range(2):
+            try:
+                await proxy.Invoke(
+                    worker_pb2.InvokeRequest(operation="noop"),
+                    metadata=(("x-omniflow-role", "llm"),),
+                )
+                codes.append("OK")
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code().name)
+        # Round robin sends one of two to the dead worker (its breaker needs 3 failures).
+        assert "UNAVAILABLE" in codes
