@@ -7,11 +7,17 @@ import json
 from collections.abc import Sequence
 
 from omniflow.models.tiny import ARCHS, make_tiny
+from omniflow.models.tiny_mm import MM_KINDS, make_tiny_kind
 
 
 def add_make_tiny_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the make-tiny flags to ``parser`` (the lead's CLI reuses this for its subcommand)."""
-    parser.add_argument("--arch", choices=ARCHS, required=True)
+    parser.add_argument(
+        "--arch",
+        choices=ARCHS + MM_KINDS,
+        required=True,
+        help="an LLM architecture, or a multimodal kind (size flags apply to LLMs only)",
+    )
     parser.add_argument("--out", required=True, help="folder to write the model into")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
@@ -32,6 +38,9 @@ def add_make_tiny_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_make_tiny(args: argparse.Namespace) -> int:
     """Run make-tiny from parsed arguments; prints the folder written."""
+    if args.arch in MM_KINDS:
+        print(make_tiny_kind(args.arch, args.out, seed=args.seed))
+        return 0
     path = make_tiny(
         args.arch,
         args.out,

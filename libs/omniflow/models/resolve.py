@@ -25,11 +25,12 @@ def resolve_model(spec: str, models_dir: Path = DEFAULT_MODELS_DIR) -> Path:
     """
     if spec.startswith(TINY_PREFIX):
         from omniflow.models.tiny import ARCHS, make_tiny
+        from omniflow.models.tiny_mm import MM_KINDS, make_tiny_kind
 
         arch = spec.removeprefix(TINY_PREFIX)
-        if arch not in ARCHS:
+        if arch not in ARCHS + MM_KINDS:
             raise InvalidArgument(
-                f"unknown tiny model {spec!r}; accepted: tiny:{', tiny:'.join(ARCHS)}"
+                f"unknown tiny model {spec!r}; accepted: tiny:{', tiny:'.join(ARCHS + MM_KINDS)}"
             )
         root = models_dir.expanduser()
         root.mkdir(parents=True, exist_ok=True)
@@ -40,7 +41,10 @@ def resolve_model(spec: str, models_dir: Path = DEFAULT_MODELS_DIR) -> Path:
                 tmp = root / f".tiny-{arch}.{os.getpid()}.tmp"
                 shutil.rmtree(tmp, ignore_errors=True)
                 log.info("generating %s into %s", spec, target)
-                make_tiny(arch, tmp)
+                if arch in ARCHS:
+                    make_tiny(arch, tmp)
+                else:
+                    make_tiny_kind(arch, tmp)
                 shutil.rmtree(target, ignore_errors=True)
                 tmp.rename(target)
         return target

@@ -1,0 +1,1 @@
+"""Multimodal roles of the worker: encoders, image generation, speech (no gRPC here)."""
