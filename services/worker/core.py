@@ -68,7 +68,14 @@ class WorkerCore:
             max_num_batched_tokens=s.max_batch_tokens,
             max_num_seqs=s.max_seqs,
         )
-        llm = await LLMRole.load(folder, config)
+        if s.engine == "sglang":
+            # Imported only when selected: SGLang is an optional, GPU-only extra. Without it
+            # this raises FailedPrecondition naming "pip install 'omniflow[sglang]'".
+            from omniflow_services.worker.sglang_backend import load_sglang_role
+
+            llm: LLMRole = await load_sglang_role(folder, s, dtype)
+        else:
+            llm = await LLMRole.load(folder, config)
         await llm.warm_up()
         self.llm, self.model = llm, str(folder)
         log.info("loaded %s (KV namespace %s)", folder, llm.kv_namespace)

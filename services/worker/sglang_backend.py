@@ -1,0 +1,325 @@
+"""The llm role on SGLang: an in-process ``sglang.Engine`` behind the worker API (GPU only).
+
+Selected with ``OMNIFLOW_WORKER_ENGINE=sglang``; SGLang is imported only then (``pip
+install 'omniflow[sglang]'``, a CUDA GPU). ``SGLangRole`` has ``LLMRole``'s interface, so
+the gRPC edge serves it unchanged: token ids in, streamed token ids and text deltas out,
+finish reason and usage (cached tokens from SGLang's ``meta_info``), abort.
+
+SGLang's hierarchical cache is switched on with ``OmniflowHiCacheStorage``
+(``sglang_hicache``) as its storage tier, so pages SGLang evicts from GPU and host memory
+land in the node's kv-agent and every SGLang worker of the model can load them back.
+
+SGLang API read (sgl-project/sglang main, Nov 2026; sglang 0.5.23 on PyPI):
+``python/sglang/srt/entrypoints/engine.py`` (``Engine(**server_args)``,
+``async_generate(input_ids=..., sampling_params=..., stream=True)`` yielding dicts with
+``text``, ``output_ids`` and ``meta_info`` — ``id``, ``finish_reason`` ``{"type": ...}``,
+``prompt_tokens``, ``completion_tokens``, ``cached_tokens``), ``server_args.py``
+(``page_size``, ``tp_size``, ``mem_fraction_static``, ``enable_hierarchical_cache``,
+``hicache_write_policy``, ``hicache_storage_backend``,
+``hicache_storage_backend_extra_config``), ``sampling/sampling_params.py`` (names below) and
+``managers/tokenizer_manager.py`` (``abort_request(rid)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import itertools
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omniflow.errors import FailedPrecondition, InvalidArgument
+from omniflow.kv.blocks import KVLayout
+from omniflow_services.worker.config import WorkerSettings
+from omniflow_services.worker.engine import EngineLoad, RequestOutput, SamplingParams, Usage
+from omniflow_services.worker.engine.config import ModelConfig
+from omniflow_services.worker.engine.loader import load_tokenizer
+from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.sglang_hicache import extra_config
+from omniflow_services.worker.sglang_pages import HostPageFormat, KeyMapper
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'omniflow[sglang]' on a machine with a CUDA GPU"
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def sampling_to_sglang(p: SamplingParams) -> dict[str, Any]:
+    """Our sampling parameters as SGLang's ``sampling_params`` dict (same meanings: SGLang's
+    top_k -1 disables it where ours is 0). The seed is sent only when set: older SGLang
+    versions do not know ``sampling_seed``."""
+    out: dict[str, Any] = {
+        "max_new_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "top_k": p.top_k if p.top_k > 0 else -1,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repetition_penalty": p.repetition_penalty,
+        "ignore_eos": p.ignore_eos,
+    }
+    if p.stop:
+        out["stop"] = list(p.stop)
+    if p.stop_token_ids:
+        out["stop_token_ids"] = list(p.stop_token_ids)
+    if p.seed is not None:
+        out["sampling_seed"] = p.seed
+    return out
+
+
+class StreamDecoder:
+    """SGLang stream items → our ``RequestOutput`` deltas.
+
+    SGLang streams cumulative ``text``/``output_ids`` by default and deltas with
+    ``incremental_streaming_output``; ``meta_info["completion_tokens"]`` is cumulative in
+    both, which tells the new ids apart in either mode.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.count = 0
+        self.text = ""
+        self.sglang_id = ""
+        self.finished = False
+
+    def feed(self, item: dict[str, Any]) -> RequestOutput:
+        meta = item.get("meta_info") or {}
+        self.sglang_id = str(meta.get("id", self.sglang_id))
+        ids = list(item.get("output_ids") or [])
+        completion = int(meta.get("completion_tokens", self.count + len(ids)))
+        delta = max(0, completion - self.count)
+        cumulative = self.count > 0 and len(ids) == completion
+        new_ids = ids[len(ids) - delta :] if 0 < delta <= len(ids) else ids if delta else []
+        text = str(item.get("text") or "")
+        if cumulative or (self.count == 0 and text.startswith(self.text)):
+            text_delta = text[len(self.text) :] if text.startswith(self.text) else text
+            self.text = text
+        else:
+            text_delta = text
+            self.text += text
+        self.count = completion
+        reason = meta.get("finish_reason")
+        kind = reason.get("type") if isinstance(reason, dict) else reason
+        self.finished = kind is not None
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=tuple(int(t) for t in new_ids),
+            text_delta=text_delta,
+            finished=self.finished,
+            finish_reason=_FINISH.get(str(kind), "stop") if self.finished else None,
+            usage=Usage(
+                prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                cached_tokens=int(meta.get("cached_tokens", 0)),
+                generated_tokens=completion,
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangConfig:
+    """How the worker starts SGLang. Empty ``agent_address``: no distributed cache tier."""
+
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    tp_size: int = 1
+    mem_fraction_static: float = 0.6
+    agent_address: str = ""
+    index_address: str = ""
+    model_id: str = ""
+    hicache_ratio: float = 2.0
+    hicache_mem_layout: str = ""  # empty: SGLang's default
+    hicache_write_policy: str = "write_through"
+    extra: dict[str, Any] = field(default_factory=dict)  # more ServerArgs fields
+
+    def engine_kwargs(self, model_dir: Path, model_id: str) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "model_path": str(model_dir),
+            "dtype": self.dtype,
+            "page_size": self.page_size,
+            "tp_size": self.tp_size,
+            "mem_fraction_static": self.mem_fraction_static,
+            "log_level": "warning",
+        }
+        if self.agent_address:
+            kw |= {
+                "enable_hierarchical_cache": True,
+                "hicache_ratio": self.hicache_ratio,
+                "hicache_write_policy": self.hicache_write_policy,
+                "hicache_storage_backend": "dynamic",
+                "hicache_storage_backend_extra_config": json.dumps(
+                    extra_config(self.agent_address, self.index_address, model_id)
+                ),
+            }
+            if self.hicache_mem_layout:
+                kw["hicache_mem_layout"] = self.hicache_mem_layout
+        return kw | self.extra
+
+
+class SGLangEngine:
+    """The parts of our ``Engine`` the worker uses, over an ``sglang.Engine``."""
+
+    def __init__(self, engine: Any, layout: KVLayout, tokenizer: Any, cfg: ModelConfig) -> None:
+        self.sgl = engine
+        self.layout = layout
+        self.tokenizer = tokenizer
+        self.model_config = cfg
+        self.active: dict[str, StreamDecoder] = {}
+        self.total_pages = 0
+        try:
+            info = engine.get_server_info()
+            self.total_pages = int(info.get("max_total_num_tokens", 0)) // layout.page_size
+        except Exception as exc:  # informative only
+            log.info("SGLang server info unavailable: %s", exc)
+
+    def load(self) -> EngineLoad:
+        # SGLang's scheduler runs in another process: we know what this worker streams.
+        return EngineLoad(len(self.active), 0, 0, self.total_pages)
+
+    def abort(self, request_id: str) -> bool:
+        dec = self.active.get(request_id)
+        if dec is None:
+            return False
+        self.sgl.tokenizer_manager.abort_request(dec.sglang_id or request_id)
+        return True
+
+    def shutdown(self) -> None:
+        self.sgl.shutdown()
+
+
+class SGLangRole(LLMRole):
+    """``LLMRole`` served by SGLang."""
+
+    engine: SGLangEngine  # type: ignore[assignment]
+
+    def __init__(self, engine: SGLangEngine, model_dir: Path) -> None:
+        super().__init__(engine, model_dir)  # type: ignore[arg-type]
+        self.keys = KeyMapper(engine.layout.namespace)
+        self._warm = itertools.count()
+        self._pass_rid = "rid" in inspect.signature(engine.sgl.async_generate).parameters
+
+    @classmethod
+    async def load(cls, model_dir: Path, config: SGLangConfig) -> SGLangRole:  # type: ignore[override]
+        require_sglang()
+        import sglang  # optional, GPU-only dependency
+
+        cfg = ModelConfig.from_folder(model_dir)
+        # The built-in engine's default model id: the resolved folder's name.
+        model_id = config.model_id or (await asyncio.to_thread(Path(model_dir).resolve)).name
+        layout = expected_layout(cfg, config, model_id)
+        # In the event loop's thread on purpose: SGLang installs signal handlers, which only
+        # the main thread may do. Health stays NOT_SERVING meanwhile.
+        engine = sglang.Engine(**config.engine_kwargs(model_dir, model_id))
+        return cls(SGLangEngine(engine, layout, load_tokenizer(model_dir), cfg), model_dir)
+
+    async def warm_up(self) -> None:
+        async for _ in self.generate(
+            f"warm-up-{next(self._warm)}", [0, 1, 2], SamplingParams(1, 0.0)
+        ):
+            pass
+
+    def prompt_hashes(self, ids: Sequence[int]) -> list[bytes]:
+        """The block hashes the prompt's pages get in the kv-agents (see ``sglang_pages``)."""
+        return self.keys.prompt_hashes(ids, self.engine.layout.page_size)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        cfg = self.engine.model_config
+        if not ids:
+            raise InvalidArgument("the prompt is empty: send at least one token")
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise InvalidArgument(
+                f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
+            )
+        params.validate(cfg.vocab_size)
+        limit = cfg.max_position_embeddings
+        if len(ids) + params.max_tokens > limit:
+            raise InvalidArgument(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {limit} tokens"
+            )
+
+    async def generate(  # type: ignore[override]
+        self, request_id: str, ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        self._validate(ids, params)
+        dec = StreamDecoder(request_id)
+        kwargs: dict[str, Any] = {
+            "input_ids": ids,
+            "sampling_params": sampling_to_sglang(params),
+            "stream": True,
+        }
+        if self._pass_rid:
+            kwargs["rid"] = request_id
+            dec.sglang_id = request_id
+        self.engine.active[request_id] = dec
+        try:
+            stream = await self.engine.sgl.async_generate(**kwargs)
+            async for item in stream:
+                yield dec.feed(item)
+                if dec.finished:
+                    break
+        finally:
+            self.engine.active.pop(request_id, None)
+            if not dec.finished and dec.sglang_id:  # the caller went away: free SGLang's KV
+                self.engine.sgl.tokenizer_manager.abort_request(dec.sglang_id)
+
+
+def expected_layout(cfg: ModelConfig, config: SGLangConfig, model_id: str) -> KVLayout:
+    """The namespace layout SGLang's pages get (rank 0's when tensor-parallel)."""
+    heads = max(1, cfg.num_kv_heads // config.tp_size)
+    fmt = HostPageFormat(
+        "layer_first", cfg.num_layers, heads, config.page_size, cfg.head_dim, config.dtype
+    )
+    rank_id = model_id if config.tp_size <= 1 else f"{model_id}@tp0of{config.tp_size}"
+    return fmt.kv_layout(rank_id)
+
+
+def require_sglang() -> None:
+    """FailedPrecondition, saying how to install, unless SGLang and a CUDA GPU are here."""
+    if importlib.util.find_spec("sglang") is None:
+        raise FailedPrecondition(f"OMNIFLOW_WORKER_ENGINE=sglang needs SGLang: {INSTALL_HINT}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise FailedPrecondition(f"OMNIFLOW_WORKER_ENGINE=sglang needs a CUDA GPU: {INSTALL_HINT}")
+
+
+async def find_data_plane(settings: WorkerSettings) -> tuple[str, str]:
+    """(this node's kv-agent, a kv-index) from the settings, else from discovery."""
+    from omniflow.rpc.server import registry_from_settings
+
+    agent = settings.kv_agent_addr
+    index = ""
+    try:
+        registry = registry_from_settings(settings)
+    except Exception as exc:
+        log.warning("no discovery for the kv-agent (%s)", exc)
+        return agent, index
+    try:
+        if not agent:
+            node = settings.node_id or socket.gethostname()
+            agents = await registry.list("kv-agent")
+            mine = [a for a in agents if a.metadata.get("node") == node] or agents
+            agent = mine[0].address if mine else ""
+        indexes = await registry.list("kv-index")
+        index = indexes[0].address if indexes else ""
+    except Exception as exc:  # the cache tier is optional: serve without it
+        log.warning("kv-agent / kv-index discovery failed: %s", exc)
+    finally:
+        await registry.close()
+    return agent, index
+
+
+async def load_sglang_role(folder: Path, settings: WorkerSettings, dtype: str) -> SGLangRole:
+    """What ``WorkerCore.load`` calls for ``OMNIFLOW_WORKER_ENGINE=sglang``."""
+    require_sglang()
+    agent, index = await find_data_plane(settings)
+    if not agent:
+        log.warning("no kv-agent found: SGLang runs without the distributed cache tier")
+    config = SGLangConfig(dtype=dtype, agent_address=agent, index_address=index)
+    return await SGLangRole.load(folder, config)
