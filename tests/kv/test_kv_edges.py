@@ -339,3 +339,28 @@ async def test_ssd_tier_demotion_promotion_and_index_tiers(kv_cluster, tmp_path)
         st = kv_cluster.agent_app("a").stats()
         # Promoting the first four demoted the others; SSD keeps a copy of every page.
         assert st.tiers[1].pages == 8 and st.tiers[1].hits == 4 and st.tiers[0].pages == 4
+
+
+async def test_agent_connector_serves_the_engine_protocol(kv_cluster):
+    from omniflow.kv.connector import AgentConnector
+    from omniflow_services.worker.engine.connector import KVConnector
+
+    a = await kv_cluster.start_agent("a")
+    b = await kv_cluster.start_agent("b")
+    hashes, data = chain(6, seed=8), pages(6, seed=8)
+    # The engine calls the connector from its own thread: so do we (the servers run here).
+    writer = await asyncio.to_thread(AgentConnector, b.address, kv_cluster.index.address)
+    reader = await asyncio.to_thread(AgentConnector, a.address, kv_cluster.index.address)
+    try:
+        assert isinstance(writer, KVConnector)
+        await asyncio.to_thread(writer.store_pages, LAYOUT, hashes[:4], data[:4])
+        await asyncio.to_thread(writer.flush)
+        owner_b = kv_cluster.agent_app("b").owner_id
+        channel, stub = await _index_stub(kv_cluster)
+        async with channel:
+            await _wait(lambda: _has(stub, hashes, owner_b, 4), 5, "b announces")
+        got = await asyncio.to_thread(reader.fetch_pages, LAYOUT, hashes)
+        assert got == data[:4]  # the leading run; the rest is the engine's to compute
+    finally:
+        await asyncio.to_thread(writer.close)
+        await asyncio.to_thread(reader.close)
