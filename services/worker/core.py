@@ -11,6 +11,7 @@ from omniflow.models.resolve import resolve_model
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.engine import EngineConfig
 from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.mm.loading import LoadedRoles, load_roles
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 ROLE_OPERATIONS: dict[str, tuple[str, ...]] = {
     "llm": ("generate",),
     "encoder": ("encode",),
-    "diffusion": ("generate_image",),
+    "diffusion": ("generate_image", "generate"),  # its backbone serves Generate too
     "talker": ("synthesize",),
 }
 
@@ -41,6 +42,7 @@ class WorkerCore:
         self.role = settings.role
         self.model = ""
         self.llm: LLMRole | None = None
+        self.mm: LoadedRoles | None = None  # encoder, diffusion or talker models
 
     @property
     def kv_namespace(self) -> str:
@@ -52,15 +54,10 @@ class WorkerCore:
 
     async def load(self, spec: str, dtype: str | None = None) -> None:
         """Load ``spec`` (a folder or tiny:<arch>) and warm the engine up."""
-        if self.role != "llm":
-            raise Unimplemented(
-                f"models for role {self.role!r} need the multimodal roles (Compute Flow part 2)"
-            )
         s = self.settings
         dtype = dtype or s.dtype
         if dtype not in ("float32", "bfloat16"):
             raise InvalidArgument(f"dtype {dtype!r} is not accepted; accepted: float32, bfloat16")
-        folder = resolve_model(spec, Path(s.models_dir))
         config = EngineConfig(
             dtype=dtype,
             device=s.device,
@@ -68,6 +65,14 @@ class WorkerCore:
             max_num_batched_tokens=s.max_batch_tokens,
             max_num_seqs=s.max_seqs,
         )
+        if self.role in ("encoder", "diffusion", "talker"):
+            if s.engine != "torch":
+                raise Unimplemented(f"role {self.role!r} runs on the built-in torch engine only")
+            mm = await load_roles(self.role, spec, Path(s.models_dir), config)
+            self.mm, self.llm, self.model = mm, mm.llm, mm.model
+            log.info("loaded %s models %s", self.role, mm.model)
+            return
+        folder = resolve_model(spec, Path(s.models_dir))
         if s.engine == "sglang":
             # Imported only when selected: SGLang is an optional, GPU-only extra. Without it
             # this raises FailedPrecondition naming "pip install 'omniflow[sglang]'".
@@ -81,13 +86,23 @@ class WorkerCore:
         log.info("loaded %s (KV namespace %s)", folder, llm.kv_namespace)
 
     def require_llm(self) -> LLMRole:
-        if self.role != "llm":
+        if self.role not in ("llm", "diffusion"):
             raise FailedPrecondition(f"this worker's role is {self.role!r}, not 'llm'")
         if self.llm is None:
             raise FailedPrecondition(
                 "no model is loaded on this worker: set OMNIFLOW_WORKER_MODEL or call LoadModel"
             )
         return self.llm
+
+    def require_mm(self, role: str) -> LoadedRoles:
+        """The loaded models of a multimodal role (FailedPrecondition when not this role)."""
+        if self.role != role:
+            raise FailedPrecondition(f"this worker's role is {self.role!r}, not {role!r}")
+        if self.mm is None:
+            raise FailedPrecondition(
+                "no model is loaded on this worker: set OMNIFLOW_WORKER_MODEL or call LoadModel"
+            )
+        return self.mm
 
     def load_now(self) -> Load:
         if self.llm is None:

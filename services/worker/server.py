@@ -18,6 +18,7 @@ from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.engine import SamplingParams
 from omniflow_services.worker.llm import ChatTurn, LLMRole, chatml
+from omniflow_services.worker.mm_edge import MultimodalEdge, has_media
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +75,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         llm = self.app.core.require_llm()
-        ids = prompt_ids(llm, request)
         params = sampling_params(request.sampling, self.app.settings.default_max_tokens)
         if request.prefill_only:
             params = SamplingParams(max_tokens=1, temperature=0.0)
         rid = llm.request_id(request.request_id)
+        if has_media(request):
+            req, hashes = await self.app.mm.generate_request(llm, request, rid, params)
+            ids, stream = req.prompt_token_ids, llm.engine.generate(req)
+        else:
+            ids = prompt_ids(llm, request)
+            hashes, stream = None, llm.generate(rid, ids, params)
         # Closing this generator (client gone, deadline) closes the engine stream: aborted.
-        async for out in llm.generate(rid, ids, params):
+        async for out in stream:
             reply = worker_pb2.GenerateResponse(
                 request_id=rid, token_ids=out.new_token_ids, text=out.text_delta
             )
@@ -93,24 +99,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         completion_tokens=out.usage.generated_tokens,
                     )
                 )
-                reply.prompt_block_hashes.extend(llm.prompt_hashes(ids))
+                reply.prompt_block_hashes.extend(
+                    hashes if hashes is not None else llm.prompt_hashes(ids)
+                )
             yield reply
 
     async def Encode(
         self, request: worker_pb2.EncodeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.EncodeResponse:
-        raise unimplemented("encoder roles (Compute Flow: multimodal roles)")
+        return await self.app.mm.encode(request)
 
     async def GenerateImage(
         self, request: worker_pb2.GenerateImageRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.GenerateImageResponse:
-        raise unimplemented("image generation (Compute Flow: multimodal roles)")
+        return await self.app.mm.generate_image(request)
 
     async def Synthesize(
         self, request: worker_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.SynthesizeResponse]:
-        raise unimplemented("speech output (Compute Flow: multimodal roles)")
-        yield
+        async for chunk in self.app.mm.synthesize(request):
+            yield chunk
 
     async def LoadModel(
         self, request: worker_pb2.LoadModelRequest, context: grpc.aio.ServicerContext
@@ -126,6 +134,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         await core.load(request.model_path, request.dtype or None)
         if self.app.runtime is not None and self.app.runtime.reregister is not None:
             await self.app.runtime.reregister()  # the router sees the new namespace
+        if core.llm is None:  # encoder or talker: no KV namespace
+            return worker_pb2.LoadModelResponse(model=core.model)
         layout = core.require_llm().engine.layout
         return worker_pb2.LoadModelResponse(
             model=core.model,
@@ -183,6 +193,7 @@ class WorkerApp(ServiceApp):
         self.settings = settings
         self.core = WorkerCore(settings)
         self.runtime: Runtime | None = None
+        self.mm = MultimodalEdge(settings, self.core, lambda: self.runtime)
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self), server)
@@ -193,6 +204,9 @@ class WorkerApp(ServiceApp):
         if self.settings.model:
             # SERVING only after the model is loaded and a warm-up step has run.
             await self.core.load(self.settings.model)
+
+    async def stop(self) -> None:
+        await self.mm.close()
 
     def metadata(self) -> dict[str, str]:
         node = self.runtime.node if self.runtime else ""

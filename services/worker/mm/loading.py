@@ -1,0 +1,68 @@
+"""Loading the multimodal roles of a worker from their model settings (no gRPC here)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from omniflow.errors import InvalidArgument
+from omniflow.models.resolve import resolve_model
+from omniflow.models.tiny_mm import IMAGE_HEAD_MODEL_TYPE
+from omniflow_services.worker.engine import EngineConfig
+from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.mm.encoders import EncoderRole
+from omniflow_services.worker.mm.image_role import DiffusionRole
+from omniflow_services.worker.mm.talker import TalkerRole
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoadedRoles:
+    """What a multimodal worker holds once loaded; ``llm`` is set for diffusion (its
+    backbone, which also serves Generate in the same process, with the same weights)."""
+
+    model: str
+    llm: LLMRole | None = None
+    encoder: EncoderRole | None = None
+    diffusion: DiffusionRole | None = None
+    talker: TalkerRole | None = None
+
+
+def backbone_of(head_folder: Path) -> str:
+    """The backbone an image head names in its config.json (a folder or tiny:<arch>)."""
+    cfg = json.loads((head_folder / "config.json").read_text())
+    if cfg.get("model_type") != IMAGE_HEAD_MODEL_TYPE:
+        raise InvalidArgument(
+            f"{head_folder} holds model_type {cfg.get('model_type')!r}; a diffusion worker "
+            f"needs {IMAGE_HEAD_MODEL_TYPE!r} (an image head naming its LLM backbone)"
+        )
+    backbone = str(cfg.get("backbone") or "")
+    if not backbone:
+        raise InvalidArgument(f"{head_folder}/config.json names no backbone")
+    if not backbone.startswith("tiny:") and not Path(backbone).is_absolute():
+        backbone = str((head_folder / backbone).resolve())
+    return backbone
+
+
+async def load_roles(role: str, spec: str, models_dir: Path, config: EngineConfig) -> LoadedRoles:
+    """Load the models of ``role`` (encoder: a comma-separated list of encoder folders)."""
+    if role == "encoder":
+        folders = [resolve_model(s.strip(), models_dir) for s in spec.split(",") if s.strip()]
+        enc = await EncoderRole.load(folders, config.device)
+        return LoadedRoles(",".join(str(f) for f in folders), encoder=enc)
+    if role == "talker":
+        folder = resolve_model(spec, models_dir)
+        talker = await asyncio.to_thread(TalkerRole, folder, config.device, config.dtype)
+        return LoadedRoles(str(folder), talker=talker)
+    if role == "diffusion":
+        head = resolve_model(spec, models_dir)
+        backbone = resolve_model(backbone_of(head), models_dir)
+        llm = await LLMRole.load(backbone, config)
+        await llm.warm_up()
+        diffusion = await DiffusionRole.load(head, llm.engine)
+        return LoadedRoles(str(head), llm=llm, diffusion=diffusion)
+    raise InvalidArgument(f"role {role!r} has no multimodal models")

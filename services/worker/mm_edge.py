@@ -1,0 +1,320 @@
+"""The worker's gRPC edge for the multimodal roles: Encode, GenerateImage, Synthesize and the
+media parts of Generate. Protobuf in, plain dataclasses to the role cores, protobuf out.
+
+Embeddings travel in the data plane: the encoder puts them into its node's kv-agent and
+answers with ``TensorRef``s; the LLM reads them back only when it must compute the span.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+
+from omniflow.api.common.v1 import common_pb2
+from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.errors import InvalidArgument, Unavailable
+from omniflow.kv.blocks import block_hashes
+from omniflow.kv.tensor_client import TensorClient
+from omniflow.rpc.client import open_channel
+from omniflow.rpc.interceptors import TracedChannel
+from omniflow.rpc.server import Runtime
+from omniflow.rpc.status import error_from_rpc
+from omniflow.workers import WORKER_SERVICE, worker_from_instance
+from omniflow_services.worker.config import WorkerSettings
+from omniflow_services.worker.core import WorkerCore
+from omniflow_services.worker.engine import GenerateRequest, SamplingParams
+from omniflow_services.worker.llm import ChatTurn, LLMRole, chatml
+from omniflow_services.worker.mm.image_role import ImageRequest
+from omniflow_services.worker.mm.media import AUDIO, IMAGE, MediaInput
+from omniflow_services.worker.mm.media_prompt import EncodedRef, MediaResolver, multimodal_request
+
+log = logging.getLogger(__name__)
+
+_KINDS = {common_pb2.MediaItem.KIND_IMAGE: IMAGE, common_pb2.MediaItem.KIND_AUDIO: AUDIO}
+ENCODE_TIMEOUT_S = 60.0
+
+
+def _kind(item: common_pb2.MediaItem, name: str) -> str:
+    kind = _KINDS.get(item.kind)
+    if kind is None:
+        mime = item.mime_type.split("/", 1)[0]
+        kind = {"image": IMAGE, "audio": AUDIO}.get(mime, "")
+    if not kind:
+        raise InvalidArgument(
+            f"{name}: media kind is unspecified; set kind (KIND_IMAGE, KIND_AUDIO) or a "
+            "mime_type image/* or audio/*"
+        )
+    return kind
+
+
+def has_media(request: worker_pb2.GenerateRequest) -> bool:
+    if len(request.items):
+        return True
+    if request.WhichOneof("prompt") != "messages":
+        return False
+    return any(p.WhichOneof("part") != "text" for m in request.messages.messages for p in m.content)
+
+
+class MultimodalEdge:
+    """Data-plane clients and the multimodal RPC bodies of one worker."""
+
+    def __init__(
+        self, settings: WorkerSettings, core: WorkerCore, runtime: Callable[[], Runtime | None]
+    ) -> None:
+        self.settings = settings
+        self.core = core
+        self._runtime = runtime
+        self._tensors: TensorClient | None = None
+        self._resolvers: dict[int, MediaResolver] = {}
+        self._refs: OrderedDict[bytes, common_pb2.TensorRef] = OrderedDict()
+        self._channels: dict[str, TracedChannel] = {}
+
+    async def close(self) -> None:
+        if self._tensors is not None:
+            await self._tensors.close()
+        for ch in self._channels.values():
+            await ch.close()
+
+    # --- discovery -------------------------------------------------------------------------
+
+    async def _pick(self, service: str, role: str = "") -> str:
+        rt = self._runtime()
+        if rt is None:
+            raise Unavailable(f"no discovery at hand to find a {role or service}")
+        found = await rt.registry.list(service)
+        if role:
+            found = [i for i in found if worker_from_instance(i).role == role]
+        if not found:
+            raise Unavailable(f"no {role or service} is registered")
+        same = [i for i in found if i.metadata.get("node") == rt.node]
+        return (same or found)[0].address
+
+    async def tensors(self) -> TensorClient:
+        """The client of this node's kv-agent (settings first, then discovery)."""
+        if self._tensors is None:
+            addr = self.settings.kv_agent_addr or await self._pick("kv-agent")
+            self._tensors = TensorClient(addr)
+        return self._tensors
+
+    async def _encode_remote(self, items: list[MediaInput]) -> list[tuple[bytes, Any]]:
+        addr = await self._pick(WORKER_SERVICE, "encoder")
+        ch = self._channels.get(addr)
+        if ch is None:
+            ch = self._channels[addr] = open_channel(addr, default_timeout_s=ENCODE_TIMEOUT_S)
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        req = worker_pb2.EncodeRequest(
+            items=[
+                common_pb2.MediaItem(
+                    kind=common_pb2.MediaItem.KIND_IMAGE
+                    if it.kind == IMAGE
+                    else common_pb2.MediaItem.KIND_AUDIO,
+                    data=it.data,
+                )
+                for it in items
+            ]
+        )
+        import grpc
+
+        try:
+            reply = await stub.Encode(req, timeout=ENCODE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        return [(e.item_id, e.embeddings) for e in reply.items]
+
+    def resolver(self, llm: LLMRole) -> MediaResolver:
+        hidden = llm.engine.model_config.hidden_size
+        r = self._resolvers.get(hidden)
+        if r is None:
+            r = self._resolvers[hidden] = MediaResolver(hidden, self.tensors, self._encode_remote)
+        return r
+
+    # --- Generate with media ---------------------------------------------------------------
+
+    async def _media_input(self, item: common_pb2.MediaItem, name: str) -> MediaInput:
+        kind = _kind(item, name)
+        if item.WhichOneof("source") == "ref":
+            raw = await (await self.tensors()).get(item.ref)
+            return MediaInput(
+                kind, np.ascontiguousarray(raw).reshape(-1).view(np.uint8).tobytes(), name
+            )
+        return MediaInput(kind, item.data, name)
+
+    async def _part(self, part: worker_pb2.ContentPart, name: str) -> Any:
+        which = part.WhichOneof("part")
+        if which == "text":
+            return part.text
+        if which == "media":
+            return await self._media_input(part.media, name)
+        if which == "encoded":
+            return EncodedRef(part.encoded.item_id, part.encoded.embeddings, "", name)
+        raise InvalidArgument(f"{name} is empty: set text, media or encoded")
+
+    async def generate_request(
+        self, llm: LLMRole, request: worker_pb2.GenerateRequest, rid: str, params: SamplingParams
+    ) -> tuple[GenerateRequest, list[bytes]]:
+        """The engine request of a prompt with media, and its prompt block hashes."""
+        engine = llm.engine
+        resolver = self.resolver(llm)
+        kind = request.WhichOneof("prompt")
+        if kind == "messages":
+            turns = []
+            for i, m in enumerate(request.messages.messages):
+                parts = [
+                    await self._part(p, f"messages[{i}].content[{j}]")
+                    for j, p in enumerate(m.content)
+                ]
+                turns.append((m.role, parts))
+            req, prompt = await multimodal_request(
+                engine,
+                resolver,
+                rid,
+                params,
+                turns=turns,
+                add_generation_prompt=request.messages.add_generation_prompt,
+            )
+        elif kind == "text":
+            items = []
+            for k, p in enumerate(request.items):
+                got = await self._part(p, f"items[{k}]")
+                if isinstance(got, str):
+                    raise InvalidArgument(f"items[{k}] is text; items are media or encoded parts")
+                if isinstance(got, EncodedRef):
+                    got = EncodedRef(got.item_id, got.ref, _ref_kind(request.text, k), got.name)
+                items.append(got)
+            req, prompt = await multimodal_request(
+                engine, resolver, rid, params, text=request.text, items=items
+            )
+        else:
+            raise InvalidArgument("media items need a text or messages prompt, not token_ids")
+        layout = engine.layout
+        hashes = block_hashes(layout.namespace, prompt.tokens, layout.page_size, prompt.extra_keys)
+        return req, hashes
+
+    # --- Encode ----------------------------------------------------------------------------
+
+    async def encode(self, request: worker_pb2.EncodeRequest) -> worker_pb2.EncodeResponse:
+        enc = self.core.require_mm("encoder").encoder
+        assert enc is not None
+        if not request.items:
+            raise InvalidArgument("items is empty: send at least one media item")
+        items = [await self._media_input(it, f"items[{i}]") for i, it in enumerate(request.items)]
+        results = await enc.encode(items)
+        tensors = await self.tensors()
+        reply = worker_pb2.EncodeResponse()
+        now_ms = time.time() * 1000
+        for r in results:
+            ref = self._refs.get(r.item_id)
+            # A ref still alive for a while is reused: the bytes are the same (same item id).
+            if ref is None or (ref.expires_at_unix_ms and ref.expires_at_unix_ms < now_ms + 30_000):
+                ref = await tensors.put(r.embeddings.float().numpy())
+                self._refs[r.item_id] = ref
+                while len(self._refs) > 4096:
+                    self._refs.popitem(last=False)
+            reply.items.append(worker_pb2.EncodedItem(item_id=r.item_id, embeddings=ref))
+            reply.cache_hits += int(r.cached)
+        return reply
+
+    # --- GenerateImage ---------------------------------------------------------------------
+
+    async def generate_image(
+        self, request: worker_pb2.GenerateImageRequest
+    ) -> worker_pb2.GenerateImageResponse:
+        mm = self.core.require_mm("diffusion")
+        role, llm = mm.diffusion, mm.llm
+        assert role is not None and llm is not None
+        cfg = role.defaults
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if not request.text:
+                raise InvalidArgument("text is empty: describe the image to generate")
+            ids = llm.tokenize(chatml([ChatTurn("user", request.text)]))
+        elif which == "prompt_pages":
+            ids = self._prompt_pages(llm, request.prompt_pages)
+        else:
+            raise InvalidArgument("the request has no prompt: set text or prompt_pages")
+        neg = llm.tokenize(chatml([ChatTurn("user", request.negative_prompt)]))
+        size = int(cfg["default_size"])
+        result = await role.generate(
+            ImageRequest(
+                request.request_id or "image",
+                ids,
+                neg,
+                request.width or size,
+                request.height or size,
+                request.steps or int(cfg["default_steps"]),
+                request.guidance_scale or float(cfg["default_guidance"]),
+                request.seed if request.HasField("seed") else None,
+            )
+        )
+        reply = worker_pb2.GenerateImageResponse(
+            width=result.width,
+            height=result.height,
+            prompt_tokens=result.prompt_tokens,
+            cached_prompt_tokens=result.cached_prompt_tokens,
+        )
+        if request.return_ref:
+            import io
+
+            from PIL import Image
+
+            rgb = np.asarray(Image.open(io.BytesIO(result.png)).convert("RGB"))
+            reply.ref.CopyFrom(await (await self.tensors()).put(rgb))
+        else:
+            reply.png = result.png
+        return reply
+
+    def _prompt_pages(self, llm: LLMRole, pages: worker_pb2.PromptPages) -> list[int]:
+        layout = llm.engine.layout
+        if pages.kv_namespace and pages.kv_namespace != layout.namespace_hex:
+            raise InvalidArgument(
+                f"prompt_pages.kv_namespace {pages.kv_namespace} is not this backbone's "
+                f"({layout.namespace_hex}); the pages come from another model"
+            )
+        ids = list(pages.token_ids.ids)
+        if not ids:
+            raise InvalidArgument("prompt_pages.token_ids is empty")
+        want = block_hashes(layout.namespace, ids, layout.page_size)
+        given = list(pages.block_hashes)
+        if given != want[: len(given)]:
+            raise InvalidArgument(
+                "prompt_pages.block_hashes do not match its token ids under this namespace "
+                "(the pages were made from another prompt)"
+            )
+        return ids
+
+    # --- Synthesize ------------------------------------------------------------------------
+
+    async def synthesize(
+        self, request: worker_pb2.SynthesizeRequest
+    ) -> AsyncIterator[worker_pb2.SynthesizeResponse]:
+        talker = self.core.require_mm("talker").talker
+        assert talker is not None
+        if request.sample_rate not in (0, talker.sample_rate):
+            raise InvalidArgument(
+                f"sample_rate {request.sample_rate} Hz is not supported; accepted: "
+                f"{talker.sample_rate} (or 0)"
+            )
+        if request.voice not in ("", "default"):
+            raise InvalidArgument(f"voice {request.voice!r} is not available; accepted: default")
+        seed = request.seed if request.HasField("seed") else None
+        async for ch in talker.synthesize(request.text, seed):
+            yield worker_pb2.SynthesizeResponse(
+                pcm_s16le=ch.pcm_s16le,
+                sample_rate=ch.sample_rate,
+                chunk_index=ch.index,
+                last=ch.last,
+                wav=ch.wav,
+            )
+
+
+def _ref_kind(text: str, k: int) -> str:
+    """The kind of the ``k``-th placeholder of ``text`` (encoded items carry no kind)."""
+    from omniflow_services.worker.mm.prompt import PLACEHOLDER
+
+    marks = PLACEHOLDER.findall(text)
+    return marks[k] if k < len(marks) else ""
