@@ -46,6 +46,8 @@ def sampling_params(params: dict[str, Any]) -> common_pb2.SamplingParams:
     return sp
 
 
+REPORT_INTERVAL_S = 0.02
+
 _FINISH = {
     worker_pb2.FINISH_REASON_STOP: "stop",
     worker_pb2.FINISH_REASON_LENGTH: "length",
@@ -67,7 +69,8 @@ class GrpcWorkerCaller:
         self._router = router
         self.pick_timeout_s, self.call_timeout_s = pick_timeout_s, call_timeout_s
         self._channels: dict[str, TracedChannel] = {}
-        self._reports: set[asyncio.Task[None]] = set()
+        self._outcomes: list[router_pb2.ReportOutcomeRequest] = []
+        self._reporter: asyncio.Task[None] | None = None
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
         channel = self._channels.get(address)
@@ -215,26 +218,33 @@ class GrpcWorkerCaller:
         return {"image": image, "width": reply.width, "height": reply.height}
 
     async def report(self, target: Target, ok: bool, latency_ms: float, code: str) -> None:
-        # Off the critical path: the run does not wait for the router to take note.
-        task = asyncio.create_task(self._report(target, ok, latency_ms, code))
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
-
-    async def _report(self, target: Target, ok: bool, latency_ms: float, code: str) -> None:
-        try:
-            stub = await self._router()
-            await stub.ReportOutcome(
-                router_pb2.ReportOutcomeRequest(
-                    worker_id=target.worker_id, success=ok, latency_ms=latency_ms, error_code=code
-                ),
-                timeout=self.pick_timeout_s,
+        # Off the critical path: outcomes are batched into one ReportOutcomes call per
+        # REPORT_INTERVAL_S (failures at once, so that breakers react quickly).
+        self._outcomes.append(
+            router_pb2.ReportOutcomeRequest(
+                worker_id=target.worker_id, success=ok, latency_ms=latency_ms, error_code=code
             )
-        except (grpc.aio.AioRpcError, OmniflowError) as exc:
-            log.debug("ReportOutcome for %s failed: %s", target.worker_id, exc)
+        )
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.create_task(
+                self._send_reports(0.0 if not ok else REPORT_INTERVAL_S)
+            )
+
+    async def _send_reports(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        while self._outcomes:
+            batch, self._outcomes = self._outcomes, []
+            try:
+                stub = await self._router()
+                await stub.ReportOutcomes(
+                    router_pb2.ReportOutcomesRequest(outcomes=batch), timeout=self.pick_timeout_s
+                )
+            except (grpc.aio.AioRpcError, OmniflowError) as exc:
+                log.debug("ReportOutcomes (%d) failed: %s", len(batch), exc)
 
     async def close(self) -> None:
-        for task in list(self._reports):
-            task.cancel()
+        if self._reporter is not None:
+            self._reporter.cancel()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

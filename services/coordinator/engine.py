@@ -90,6 +90,16 @@ class RunSink(Protocol):
     def node_finished(self, path: str, state: int, error: str, duration_ms: float) -> None: ...
 
 
+# A worker picked ahead is used only if the pick is this recent (load changes).
+PICK_AHEAD_MAX_AGE_S = 0.1
+
+
+@dataclass(slots=True)
+class _Ahead:
+    task: asyncio.Future[Target]
+    at: float
+
+
 class NodeFailed(OmniflowError):
     """A node failed for good; the run fails with this message (it names the node)."""
 
@@ -181,6 +191,8 @@ class _Scope:
         self.done: dict[str, asyncio.Future[dict[str, Any]]] = {
             n.name: loop.create_future() for n in nodes
         }
+        # Set when a node's call is under way (or it ended): its consumers pick ahead then.
+        self.calling: dict[str, asyncio.Event] = {n.name: asyncio.Event() for n in nodes}
         self.streams: dict[tuple[str, str], _Stream] = {}
         for node in nodes:
             for src in node.inputs.values():
@@ -239,13 +251,16 @@ class Executor:
         try:
             streaming = {k: s for k, s in node.inputs.items() if s.streaming}
             plain = {k: s for k, s in node.inputs.items() if not s.streaming}
+            kind = node.WhichOneof("kind")
+            ahead = None
+            if kind == "call" and not streaming:
+                ahead = await self._pick_ahead(scope, node)
             values = dict(zip(plain, [await scope.resolve(s) for s in plain.values()], strict=True))
             started = time.perf_counter()
-            kind = node.WhichOneof("kind")
             if kind == "call" and streaming:
                 out = await self._call_streaming(scope, node, path, values, streaming)
             elif kind == "call":
-                out = await self._call(scope, node, path, values)
+                out = await self._call(scope, node, path, values, ahead)
             else:
                 self.sink.node_started(path, "", 1)
                 if kind == "switch":
@@ -279,6 +294,7 @@ class Executor:
             self.sink.node_finished(path, cpb.RUN_STATE_FAILED, failed.reason, 0.0)
             raise failed from exc
         finally:
+            scope.calling[node.name].set()
             for (name, _), stream in scope.streams.items():
                 if name == node.name:
                     stream.close()
@@ -289,8 +305,57 @@ class Executor:
         options = [t for t in (left, per_node) if t is not None]
         return max(min(options), 0.0) if options else None
 
+    async def _pick_ahead(self, scope: _Scope, node: cpb.Node) -> _Ahead | None:
+        """Pick this node's worker while its producer runs, so that a hop costs one RPC
+        on the critical path instead of two. Not when the pick depends on a value the
+        run has yet to produce (a session key from a node output)."""
+        producers = {s.node_output.node for s in node.inputs.values() if s.HasField("node_output")}
+        if not producers:
+            return None
+        key_src = (
+            node.inputs.get(node.call.session_key_input) if node.call.session_key_input else None
+        )
+        if key_src is not None and key_src.HasField("node_output"):
+            return None
+        for name in producers:
+            await scope.calling[name].wait()
+        session = ""
+        if key_src is not None:
+            session = str(await scope.resolve(key_src) or "")
+        req = CallRequest(
+            "",
+            node.call.role,
+            node.call.operation,
+            {},
+            {},
+            node.call.strategy,
+            session,
+            self._timeout(node),
+        )
+        loop = asyncio.get_running_loop()
+        return _Ahead(asyncio.ensure_future(self.caller.pick(req, ())), loop.time())
+
+    async def _take_ahead(self, ahead: _Ahead | None) -> Target | None:
+        """The picked-ahead worker if the pick is fresh and succeeded; else None (and a
+        stale pick is released so that the router does not count it as outstanding)."""
+        if ahead is None:
+            return None
+        try:
+            target = await ahead.task
+        except OmniflowError:
+            return None  # pick again, with the error handling of a normal pick
+        if asyncio.get_running_loop().time() - ahead.at > PICK_AHEAD_MAX_AGE_S:
+            await self.caller.report(target, True, 0.0, "")
+            return None
+        return target
+
     async def _call(
-        self, scope: _Scope, node: cpb.Node, path: str, values: dict[str, Any]
+        self,
+        scope: _Scope,
+        node: cpb.Node,
+        path: str,
+        values: dict[str, Any],
+        ahead: _Ahead | None = None,
     ) -> dict[str, Any]:
         spec = node.call
         session = values.get(spec.session_key_input) if spec.session_key_input else ""
@@ -331,8 +396,11 @@ class Executor:
                     if sem is not None:
                         await sem.acquire()
                     try:
-                        target = await self.caller.pick(req, tuple(exclude))
+                        target = await self._take_ahead(ahead) if attempt == 1 else None
+                        if target is None:
+                            target = await self.caller.pick(req, tuple(exclude))
                         self.sink.node_started(path, target.worker_id, attempt)
+                        scope.calling[node.name].set()
                         async with asyncio.timeout(req.timeout_s):
                             result = await self.caller.invoke(target, req, on_chunk)
                     finally:

@@ -79,6 +79,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.app.table.finish(request.worker_id, None, request.success, request.error_code)
         return router_pb2.ReportOutcomeResponse()
 
+    async def ReportOutcomes(
+        self, request: router_pb2.ReportOutcomesRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ReportOutcomeResponse:
+        for o in request.outcomes:
+            if o.worker_id:
+                self.app.table.finish(o.worker_id, None, o.success, o.error_code)
+        return router_pb2.ReportOutcomeResponse()
+
     async def ListWorkers(
         self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListWorkersResponse:
