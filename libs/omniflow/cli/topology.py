@@ -29,6 +29,9 @@ DEFAULT_TOPOLOGY = """\
 node: local
 workers:
   - {role: llm, count: 2, model: "tiny:qwen2"}
+  - {role: encoder, count: 1, model: "tiny:vision-encoder,tiny:audio-encoder"}
+  - {role: diffusion, count: 1, model: "tiny:diffusion"}
+  - {role: talker, count: 1, model: "tiny:talker"}
 """
 
 

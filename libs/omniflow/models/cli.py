@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from omniflow.models.tiny import ARCHS, make_tiny
 from omniflow.models.tiny_mm import MM_KINDS, make_tiny_kind
@@ -34,6 +35,12 @@ def add_make_tiny_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument(
+        "--also",
+        default="",
+        help="comma-separated multimodal kinds to write next to --out, each as tiny-<kind> "
+        f"(accepted: {', '.join(MM_KINDS)})",
+    )
 
 
 def run_make_tiny(args: argparse.Namespace) -> int:
@@ -59,6 +66,8 @@ def run_make_tiny(args: argparse.Namespace) -> int:
         shards=args.shards,
     )
     print(path)
+    for kind in [k.strip() for k in args.also.split(",") if k.strip()]:
+        print(make_tiny_kind(kind, Path(args.out).parent / f"tiny-{kind}"))
     return 0
 
 
