@@ -43,6 +43,9 @@ class KVAgentSettings(CommonSettings):
         "largest page chunk accepted; larger ones are INVALID_ARGUMENT",
         minimum=1024,
     )
+    pull_streams: int = setting(
+        "OMNIFLOW_KV_PULL_STREAMS", 2, "concurrent GetPages streams of one gRPC pull", minimum=1
+    )
     pin_ttl_ms: int = setting(
         "OMNIFLOW_KV_PIN_TTL_MS",
         30_000,

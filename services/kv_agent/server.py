@@ -441,6 +441,7 @@ class KVAgentApp(ServiceApp):
             chunk_bytes=s.chunk_bytes,
             max_chunk_bytes=s.max_chunk_bytes,
             timeout_s=s.call_timeout_s,
+            streams=s.pull_streams,
         )
         self._link = IndexLink(
             runtime.instance_id,

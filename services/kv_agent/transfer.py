@@ -11,6 +11,7 @@ sender gave. A page that fails is dropped and counted, never served.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -158,6 +159,7 @@ class Puller:
         max_chunk_bytes: int,
         timeout_s: float,
         window_pages: int = 256,
+        streams: int = 2,
     ) -> None:
         self.counters = counters
         self.nixl = nixl
@@ -165,6 +167,7 @@ class Puller:
         self.max_chunk_bytes = max_chunk_bytes
         self.timeout_s = timeout_s
         self.window_pages = window_pages
+        self.streams = max(1, streams)
         self._stubs: dict[str, tuple[TracedChannel, kvagent_pb2_grpc.KVAgentServiceStub]] = {}
 
     def stub(self, address: str) -> kvagent_pb2_grpc.KVAgentServiceStub:
@@ -235,6 +238,23 @@ class Puller:
         return PullResult(pulled, failures, chosen, moved)
 
     async def _pull_grpc(
+        self, pool: PagePool, namespace: bytes, hashes: list[bytes], address: str
+    ) -> tuple[int, int, int]:
+        """Pull over ``streams`` concurrent GetPages calls, each for a contiguous part (one
+        Python stream cannot keep the connection busy: measured ~2x with two)."""
+        step = -(-len(hashes) // self.streams)
+        parts = [hashes[i : i + step] for i in range(0, len(hashes), step)]
+        results = await asyncio.gather(
+            *(self._pull_stream(pool, namespace, part, address) for part in parts)
+        )
+        got = 0
+        for (n, _, _), part in zip(results, parts, strict=True):
+            got += n
+            if n < len(part):  # the source lacks a page: what follows is not leading
+                break
+        return got, sum(r[1] for r in results), sum(r[2] for r in results)
+
+    async def _pull_stream(
         self, pool: PagePool, namespace: bytes, hashes: list[bytes], address: str
     ) -> tuple[int, int, int]:
         receiver = PageReceiver(pool, namespace, self.max_chunk_bytes, self.counters)
