@@ -120,7 +120,7 @@ def cluster(launch: Callable[..., Proc]) -> Callable[..., dict[str, Proc]]:
         router_env: dict[str, str] | None = None,
     ) -> dict[str, Proc]:
         procs: dict[str, Proc] = {}
-        for role, count in (workers or {"llm": 2}).items():
+        for role, count in ({"llm": 2} if workers is None else workers).items():
             for i in range(count):
                 name = f"{role}-{i}"
                 env = {"OMNIFLOW_WORKER_ROLE": role, **(worker_env or {})}

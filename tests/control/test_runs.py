@@ -207,3 +207,31 @@ async def test_restarted_coordinator_fails_interrupted_runs_and_keeps_finished_o
         assert [e.seq for e in events] == list(range(1, len(events) + 1))
         replay = [ev async for ev in client.events(done.run_id, from_seq=2)]
         assert replay[0].seq == 2 and replay[-1].HasField("run_finished")
+
+
+def test_examples_on_real_llm_workers(cluster, launch, tmp_path):
+    """The same examples on two real llm workers (the built-in engine, a tiny random
+    qwen2 generated on first use): every run succeeds with text from the model."""
+    env = {
+        "OMNIFLOW_WORKER_ROLE": "llm",
+        "OMNIFLOW_WORKER_MODEL": "tiny:qwen2",
+        "OMNIFLOW_MODELS_DIR": str(tmp_path / "models"),
+    }
+    workers = [launch("omniflow_services.worker", f"real-llm-{i}", **env) for i in range(2)]
+    for w in workers:
+        w.wait_ready(timeout_s=180)
+    procs = cluster({})
+    addr = procs["coordinator"].address
+    for example in ("chain", "switch", "loop"):
+        done = cli(addr, "workflow", "register", str(EXAMPLES / f"{example}.py"))
+        assert done.returncode == 0, done.stderr
+    for name, inputs in (
+        ("chain", ["question=what is a page"]),
+        ("route", ["question=explain caches", "style=terse"]),
+        ("refine", ["text=a haiku"]),
+    ):
+        done = cli(addr, "run", name, *[a for i in inputs for a in ("-i", i)])
+        assert done.returncode == 0, done.stderr + "".join(w.tail() for w in workers)
+        out = json.loads(done.stdout)
+        assert all(isinstance(v, str | int) for v in out.values()) and out
+        assert "real-llm-" in done.stderr and " on llm-" not in done.stderr
