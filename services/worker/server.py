@@ -102,6 +102,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 reply.prompt_block_hashes.extend(
                     hashes if hashes is not None else llm.prompt_hashes(ids)
                 )
+                if request.prefill_only:
+                    reply.prompt_token_ids.ids.extend(ids)
             yield reply
 
     async def Encode(
