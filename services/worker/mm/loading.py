@@ -11,7 +11,7 @@ from pathlib import Path
 from omniflow.errors import InvalidArgument
 from omniflow.models.resolve import resolve_model
 from omniflow.models.tiny_mm import IMAGE_HEAD_MODEL_TYPE
-from omniflow_services.worker.engine import EngineConfig
+from omniflow_services.worker.engine import BlockEventSink, Engine, EngineConfig, KVConnector
 from omniflow_services.worker.llm import LLMRole
 from omniflow_services.worker.mm.encoders import EncoderRole
 from omniflow_services.worker.mm.image_role import DiffusionRole
@@ -48,8 +48,20 @@ def backbone_of(head_folder: Path) -> str:
     return backbone
 
 
-async def load_roles(role: str, spec: str, models_dir: Path, config: EngineConfig) -> LoadedRoles:
-    """Load the models of ``role`` (encoder: a comma-separated list of encoder folders)."""
+async def load_roles(
+    role: str,
+    spec: str,
+    models_dir: Path,
+    config: EngineConfig,
+    *,
+    connector: KVConnector | None = None,
+    events: BlockEventSink | None = None,
+) -> LoadedRoles:
+    """Load the models of ``role`` (encoder: a comma-separated list of encoder folders).
+
+    ``connector`` and ``events`` go to the diffusion role's engine: with the node agent's
+    connector, prompt pages another worker produced are pulled instead of recomputed.
+    """
     if role == "encoder":
         folders = [resolve_model(s.strip(), models_dir) for s in spec.split(",") if s.strip()]
         enc = await EncoderRole.load(folders, config.device)
@@ -61,7 +73,10 @@ async def load_roles(role: str, spec: str, models_dir: Path, config: EngineConfi
     if role == "diffusion":
         head = resolve_model(spec, models_dir)
         backbone = resolve_model(backbone_of(head), models_dir)
-        llm = await LLMRole.load(backbone, config)
+        engine = await asyncio.to_thread(
+            Engine, backbone, config, connector=connector, events=events
+        )
+        llm = LLMRole(engine, backbone)
         await llm.warm_up()
         diffusion = await DiffusionRole.load(head, llm.engine)
         return LoadedRoles(str(head), llm=llm, diffusion=diffusion)
