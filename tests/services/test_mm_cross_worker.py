@@ -107,3 +107,65 @@ async def test_diffusion_pulls_the_llm_prompt_pages_through_the_agents(
     finally:
         await asyncio.to_thread(conn_a.close)
         await asyncio.to_thread(conn_b.close)
+
+
+async def test_second_turn_on_another_worker_reuses_the_image_pages(
+    agents: Cluster, tmp_path: Path
+) -> None:
+    """Turn 1 on node a, turn 2 on node b: the pages through the image span are pulled, the
+    image is not encoded again, and the logits equal a full recompute."""
+    from omniflow.kv.blocks import MultimodalSpan, apply_multimodal, item_id, pad_id
+    from omniflow.kv.connector import AgentConnector
+    from omniflow_services.worker.engine import EmbedSpan
+
+    backbone = resolve_model("tiny:qwen2", tmp_path / "models")
+    index = agents.addresses["kv-index"]
+    conn_a = await asyncio.to_thread(AgentConnector, agents.addresses["agent-a"], index)
+    conn_b = await asyncio.to_thread(AgentConnector, agents.addresses["agent-b"], index)
+    emb = 0.3 * torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
+    image = b"the image's bytes"
+    calls: list[str] = []
+
+    def request(rid: str, suffix: list[int]) -> GenerateRequest:
+        prefix = [5, 6, 7, 8]
+        toks = [*prefix, *([pad_id(item_id(image))] * 40), *suffix]
+        toks, extra = apply_multimodal(toks, [MultimodalSpan(item_id(image), 4, 40)], 16)
+
+        def load() -> torch.Tensor:
+            calls.append(rid)
+            return emb
+
+        return GenerateRequest(
+            rid, prompt_token_ids=toks, params=SamplingParams(3, 0.0, ignore_eos=True),
+            extra_keys=extra, embeds=(EmbedSpan(4, 40, load),), return_logits=True,
+        )  # fmt: skip
+
+    async def run(engine: Engine, req: GenerateRequest) -> tuple[torch.Tensor, int]:
+        outs = [o async for o in engine.generate(req)]
+        return torch.cat([o.logits for o in outs if o.logits is not None]), outs[
+            -1
+        ].usage.cached_tokens
+
+    try:
+        a = await asyncio.to_thread(Engine, backbone, EngineConfig(num_pages=64), connector=conn_a)
+        await run(a, request("t1", [9, 10, 11, 12, 13, 14]))
+        await asyncio.to_thread(conn_a.flush)
+        b = await asyncio.to_thread(Engine, backbone, EngineConfig(num_pages=64), connector=conn_b)
+        turn2 = request("t2", [9, 10, 11, 12, 13, 14, 15, 16, 17])
+        hashes = block_hashes(a.layout.namespace, turn2.prompt_token_ids, 16, turn2.extra_keys)
+        async with KVClient(agents.addresses["agent-b"], index) as probe:
+            for _ in range(100):
+                if (await probe.plan(a.layout.namespace, hashes[:3])).best.blocks == 3:
+                    break
+                await asyncio.sleep(0.05)
+        logits, cached = await run(b, turn2)
+        assert cached == 48  # pages 0-2 (the image spans 4..43) pulled from agent a
+        assert calls == ["t1"]  # node b never needed the embeddings
+        fresh = await asyncio.to_thread(
+            Engine, backbone, EngineConfig(num_pages=64, enable_prefix_cache=False)
+        )
+        ref, _ = await run(fresh, request("r", [9, 10, 11, 12, 13, 14, 15, 16, 17]))
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+    finally:
+        await asyncio.to_thread(conn_a.close)
+        await asyncio.to_thread(conn_b.close)
