@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import wave
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -221,16 +220,34 @@ async def test_prompt_pages_from_the_llm_worker(cluster: Cluster) -> None:
         info_d = (await dif.GetInfo(worker_pb2.GetInfoRequest())).info
         assert info_l.kv_namespace == info_d.kv_namespace  # one backbone, one namespace
         prompt = "a lighthouse on a cliff in a storm, dramatic clouds, waves crashing below"
-        pre = [o async for o in llm.Generate(worker_pb2.GenerateRequest(
+        pre = await _generate(llm, worker_pb2.GenerateRequest(
             messages=worker_pb2.ChatMessages(messages=[worker_pb2.ChatMessage(
                 role="user", content=[worker_pb2.ContentPart(text=prompt)])],
-                add_generation_prompt=False), prefill_only=True))]  # fmt: skip
-        ids = pre[0]  # the token ids are not streamed back: rebuild them from the text
-        del ids
-        by_text = await dif.GenerateImage(
-            worker_pb2.GenerateImageRequest(text=prompt, width=32, height=32, steps=2, seed=1)
+                add_generation_prompt=True), prefill_only=True))  # fmt: skip
+        ids = list(pre.prompt_token_ids.ids)
+        assert len(ids) > 16 and len(pre.prompt_block_hashes) == len(ids) // 16
+        pages = worker_pb2.PromptPages(
+            token_ids=pre.prompt_token_ids,
+            kv_namespace=info_l.kv_namespace,
+            block_hashes=pre.prompt_block_hashes,
         )
-        assert by_text.prompt_tokens > 16
+        size = {"width": 32, "height": 32, "steps": 2, "seed": 1}
+        by_pages = await dif.GenerateImage(
+            worker_pb2.GenerateImageRequest(prompt_pages=pages, **size)
+        )
+        by_text = await dif.GenerateImage(worker_pb2.GenerateImageRequest(text=prompt, **size))
+        assert by_pages.prompt_tokens == by_text.prompt_tokens == len(ids)
+        assert by_pages.png == by_text.png  # the same prompt tokens, the same image
+        assert by_text.cached_prompt_tokens >= 16
+        wrong = worker_pb2.PromptPages(
+            token_ids=pre.prompt_token_ids,
+            kv_namespace=info_l.kv_namespace,
+            block_hashes=[bytes(16)],
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await dif.GenerateImage(worker_pb2.GenerateImageRequest(prompt_pages=wrong))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "do not match" in err.value.details()
 
 
 async def test_synthesize_streams_a_16khz_wav(cluster: Cluster) -> None:
@@ -259,7 +276,3 @@ async def test_synthesize_streams_a_16khz_wav(cluster: Cluster) -> None:
                 pass
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert cluster.alive("talker")
-
-
-def _unused(path: Path) -> None:  # keep the Path import meaningful for type checkers
-    del path

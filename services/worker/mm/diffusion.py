@@ -121,9 +121,8 @@ class ImageHead:
         patches = F.unfold(x[None], kernel_size=p, stride=p)[0].transpose(0, 1)
         lat = F.linear(patches, *self.latent_in)
         (w1, b1), (w2, b2) = self.time
-        temb = F.linear(
-            F.silu(F.linear(sinusoid(torch.tensor([t * 1000.0]), self.t_dim), w1, b1)), w2, b2
-        )
+        ts = sinusoid(torch.tensor([t * 1000.0], device=x.device), self.t_dim)
+        temb = F.linear(F.silu(F.linear(ts, w1, b1)), w2, b2)
         return torch.cat([self.image_start[None] + temb, lat])
 
     def _velocity_from(self, hidden: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

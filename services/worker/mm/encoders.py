@@ -62,6 +62,7 @@ class VisionEncoder:
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """[3, size, size] → [tokens_per_image, out_hidden]."""
         p = self.patch
+        pixels = pixels.to(self.pos_embed.device)
         patches = F.unfold(pixels[None], kernel_size=p, stride=p)[0].transpose(0, 1)
         h = F.linear(patches, *self.patch_embed) + self.pos_embed
         h = self.stack(h)
@@ -94,10 +95,10 @@ class AudioEncoder:
     @torch.inference_mode()
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
         """[mels, frames] → [ceil(frames / 4), out_hidden]."""
-        x = F.gelu(F.conv1d(mel[None], *self.conv1, padding=1))
+        x = F.gelu(F.conv1d(mel[None].to(self.conv1[0].device), *self.conv1, padding=1))
         x = F.gelu(F.conv1d(x, *self.conv2, stride=2, padding=1))
         x = F.avg_pool1d(x, 2, 2, ceil_mode=True)[0].transpose(0, 1)
-        h = x + sinusoid(torch.arange(x.shape[0]), self.hidden)
+        h = x + sinusoid(torch.arange(x.shape[0], device=x.device), self.hidden)
         h = self.stack(h)
         fc1, fc2 = self.proj
         return F.linear(F.gelu(F.linear(h, *fc1)), *fc2)
@@ -216,7 +217,7 @@ class EncoderRole:
             for k, it in enumerate(items):
                 emb = cached[k]
                 if emb is None:
-                    emb = self.encoder_for(it).encode(inputs[k]).contiguous()
+                    emb = self.encoder_for(it).encode(inputs[k]).float().cpu().contiguous()
                     self.cache.put(ids[k], emb)
                 out.append(EncodedEmbeddings(ids[k], emb, cached[k] is not None))
         return out

@@ -115,7 +115,7 @@ class DiffusionRole:
         rgb = await asyncio.to_thread(self.head.decode, latents)
         return ImageResult(
             png_bytes(rgb),
-            latents,
+            latents.cpu(),
             req.width,
             req.height,
             len(req.prompt_ids),
@@ -124,6 +124,7 @@ class DiffusionRole:
 
     def _denoise(self, req: ImageRequest, cond: PromptKV, uncond: PromptKV | None) -> torch.Tensor:
         noise = initial_noise(self.head.latent_shape(req.width, req.height), req.seed)
+        noise = noise.to(self.head.image_start.device)  # seeded on the CPU: same on any device
         head = self.head
         with self._lock:
             return flow_euler(
