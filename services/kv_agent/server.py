@@ -26,12 +26,12 @@ from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
 from omniflow.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from omniflow.kv.blocks import KVLayout
 from omniflow.kv.events import BlockEntry, Tier
+from omniflow.kv.index_link import IndexLink
 from omniflow.kv.wire import check_hashes, parse_namespace, tier_from_proto, tier_to_proto
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import error_from_rpc
 from omniflow_services.kv_agent.config import KVAgentSettings
 from omniflow_services.kv_agent.host_tier import HEADER_BYTES
-from omniflow_services.kv_agent.index_link import IndexLink
 from omniflow_services.kv_agent.nixl_channel import NixlChannel, nixl_unavailable_reason
 from omniflow_services.kv_agent.pools import PagePool, Pools, safe_name
 from omniflow_services.kv_agent.tensors import TensorStore

@@ -45,3 +45,8 @@ class WorkerSettings(CommonSettings):
     kv_agent_addr: str = setting(
         "OMNIFLOW_KV_AGENT_ADDR", "", "this node's kv-agent; empty: found through discovery"
     )
+    kv_connect: bool = setting(
+        "OMNIFLOW_WORKER_KV_CONNECT",
+        True,
+        "share KV through the node's kv-agent and announce device pages in the index",
+    )

@@ -16,7 +16,8 @@ from omniflow.rpc.status import unimplemented
 from omniflow.workers import WORKER_SERVICE, worker_metadata
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
-from omniflow_services.worker.engine import SamplingParams
+from omniflow_services.worker.engine import Engine, SamplingParams
+from omniflow_services.worker.kv import WorkerKV
 from omniflow_services.worker.llm import ChatTurn, LLMRole, chatml
 from omniflow_services.worker.mm_edge import MultimodalEdge, has_media
 
@@ -134,6 +135,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise InvalidArgument("model_path is required (a folder, or tiny:qwen2 / tiny:llama)")
         core = self.app.core
         await core.load(request.model_path, request.dtype or None)
+        await self.app.attach_kv()
         if self.app.runtime is not None and self.app.runtime.reregister is not None:
             await self.app.runtime.reregister()  # the router sees the new namespace
         if core.llm is None:  # encoder or talker: no KV namespace
@@ -195,6 +197,7 @@ class WorkerApp(ServiceApp):
         self.settings = settings
         self.core = WorkerCore(settings)
         self.runtime: Runtime | None = None
+        self.kv: WorkerKV | None = None
         self.mm = MultimodalEdge(settings, self.core, lambda: self.runtime)
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
@@ -206,8 +209,24 @@ class WorkerApp(ServiceApp):
         if self.settings.model:
             # SERVING only after the model is loaded and a warm-up step has run.
             await self.core.load(self.settings.model)
+            await self.attach_kv()
+
+    async def attach_kv(self) -> None:
+        """Share the engine's KV through the node's agent (built-in engine only)."""
+        if self.kv is not None:  # a reload: the old engine's link goes first
+            await self.kv.stop()
+            self.kv = None
+        llm = self.core.llm
+        if not self.settings.kv_connect or self.runtime is None or llm is None:
+            return
+        if not isinstance(getattr(llm, "engine", None), Engine):
+            return  # SGLang shares pages through its own HiCache backend
+        self.kv = WorkerKV(self.runtime, self.settings.kv_agent_addr)
+        self.kv.attach(llm.engine)
 
     async def stop(self) -> None:
+        if self.kv is not None:
+            await self.kv.stop()
         await self.mm.close()
 
     def metadata(self) -> dict[str, str]:

@@ -7,6 +7,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+from omniflow.cli import workflow as workflow_cli
 from omniflow.errors import OmniflowError
 from omniflow.logsetup import setup_logging
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_set.add_argument(
         "--write", type=Path, help="replace the table between the settings markers of FILE"
     )
+    workflow_cli.add_subcommands(sub)
     p_models = sub.add_parser("models", help="model utilities")
     p_models.add_argument("args", nargs=argparse.REMAINDER, help="e.g. make-tiny --arch qwen2 ...")
     return parser
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging("omniflow", "WARNING")
     try:
+        if args.command in workflow_cli.COMMANDS:
+            return workflow_cli.dispatch(args)
         if args.command == "up":
             from omniflow.cli import local
             from omniflow.cli.topology import load_topology

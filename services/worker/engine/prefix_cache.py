@@ -49,6 +49,10 @@ class PrefixCache:
     def page_of(self, block_hash: bytes) -> int | None:
         return self._page_of.get(block_hash)
 
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash the pool holds now (a snapshot for the KV index)."""
+        return list(self._page_of)
+
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """Pages of the longest cached prefix of ``hashes``; each gets a reference."""
         if not self.enabled:

@@ -1,4 +1,6 @@
-"""The agent's link to the KV index: lease, heartbeats, event batches, snapshots.
+"""An owner's link to the KV index: lease, heartbeats, event batches, snapshots.
+
+Owners are node agents (host and SSD tiers) and workers (their device pools).
 
 One task runs the protocol of ``kv_index.core``: find the index → take a lease → send a
 snapshot of everything held → publish the stores' events in batches with seq 1, 2, … and
@@ -82,7 +84,7 @@ class _Reacquire(Exception):
 
 
 class IndexLink:
-    """Keeps this agent's blocks announced in the KV index."""
+    """Keeps one owner's blocks announced in the KV index."""
 
     def __init__(
         self,
@@ -97,7 +99,9 @@ class IndexLink:
         publish_interval_s: float = 0.02,
         call_timeout_s: float = 5.0,
         max_batch: int = 8192,
+        kind: int = kvindex_pb2.OWNER_KIND_AGENT,
     ) -> None:
+        self.kind = kind
         self.owner_id = owner_id
         self.node = node
         self.address = address
@@ -205,7 +209,7 @@ class IndexLink:
         reply = await self._stub.AcquireLease(
             kvindex_pb2.AcquireLeaseRequest(
                 owner_id=self.owner_id,
-                kind=kvindex_pb2.OWNER_KIND_AGENT,
+                kind=self.kind,
                 node=self.node,
                 address=self.address,
                 ttl_ms=self.lease_ms,
