@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+from omniflow.config import load_settings
 from omniflow.localredis import LocalRedisError, RedisProcess, find_redis_server, start_redis
+from omniflow.rpc.server import ServiceHost
+from omniflow_services.kv_agent.config import KVAgentSettings
+from omniflow_services.kv_agent.server import KVAgentApp
+from omniflow_services.kv_index.config import KVIndexSettings
+from omniflow_services.kv_index.server import KVIndexApp
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +35,68 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc
         yield server
     finally:
         server.stop()
+
+
+# In-process Data Flow cluster: a kv-index and kv-agents on port 0, on the session's Redis.
+# Each test gets its own Redis key prefix and instance ids, and agents are given the index
+# address directly (the discovery listing of the shared Redis may hold other tests' indexes).
+
+
+def _settings(cls, redis_url: str, **extra):
+    base = load_settings(cls, env={})
+    return dataclasses.replace(
+        base, redis_url=redis_url, port=0, metrics_port=-1, registration_ttl_s=2.0, **extra
+    )
+
+
+@dataclasses.dataclass
+class Cluster:
+    index: ServiceHost
+    agents: dict[str, ServiceHost]
+    start_agent: Callable[..., Awaitable[ServiceHost]]
+    tag: str
+
+    def agent_app(self, name: str) -> KVAgentApp:
+        return self.agents[name].app  # type: ignore[return-value]
+
+
+@pytest.fixture
+async def kv_cluster(redis_server, tmp_path: Path) -> AsyncIterator[Cluster]:
+    tag = uuid.uuid4().hex[:8]
+    hosts: list[ServiceHost] = []
+    index_app = KVIndexApp(
+        _settings(
+            KVIndexSettings,
+            redis_server.url,
+            instance_id=f"kvi-{tag}",
+            key_prefix=f"t:{tag}:",
+            lease_ttl_ms=2000,
+            sweep_interval_s=0.1,
+        )
+    )
+    index = ServiceHost(index_app, index_app.settings)
+    await index.start()
+    hosts.append(index)
+    agents: dict[str, ServiceHost] = {}
+
+    async def start_agent(name: str, **extra) -> ServiceHost:
+        settings = _settings(
+            KVAgentSettings,
+            redis_server.url,
+            instance_id=f"{name}-{tag}",
+            node_id=f"node-{name}",
+            index_addr=index.address,
+            host_bytes=extra.pop("host_bytes", 4 * 1024 * 1024),
+            **extra,
+        )
+        host = ServiceHost(KVAgentApp(settings), settings)
+        await host.start()
+        hosts.append(host)
+        agents[name] = host
+        return host
+
+    try:
+        yield Cluster(index, agents, start_agent, tag)
+    finally:
+        for host in reversed(hosts):
+            await host.stop()
