@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from procs import ServiceProc
 
 from omniflow.config import load_settings
 from omniflow.localredis import LocalRedisError, RedisProcess, find_redis_server, start_redis
@@ -100,3 +105,64 @@ async def kv_cluster(redis_server, tmp_path: Path) -> AsyncIterator[Cluster]:
     finally:
         for host in reversed(hosts):
             await host.stop()
+
+
+# Real service processes: ``launch(module, name, **env)`` starts ``python -m module`` on a
+# Redis of the test's own (so discovery listings see only its services); every process is
+# ended at teardown (SIGTERM, then SIGKILL), by PID.
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A Redis of this test alone."""
+    try:
+        binary = find_redis_server()
+    except LocalRedisError as exc:
+        pytest.skip(f"needs a redis-server: {exc}")
+    server = start_redis(dir=tmp_path / "redis", binary=binary)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def launch(tmp_path: Path, private_redis: RedisProcess) -> Iterator[Callable[..., ServiceProc]]:
+    """Start ``python -m <module>`` with env on the private Redis; all ended at teardown."""
+    started: list[ServiceProc] = []
+
+    def start(module: str, name: str, **env: str) -> ServiceProc:
+        ready = tmp_path / f"{name}.ready.json"
+        log = tmp_path / f"{name}.log"
+        full_env = {
+            **os.environ,
+            "OMNIFLOW_REDIS_URL": private_redis.url,
+            "OMNIFLOW_DISCOVERY": "redis",
+            "OMNIFLOW_PORT": "0",
+            "OMNIFLOW_METRICS_PORT": "-1",
+            "OMNIFLOW_READY_FILE": str(ready),
+            "OMNIFLOW_INSTANCE_ID": name,
+            **env,
+        }
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", module],
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        proc = ServiceProc(name, popen, ready, log)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+    for proc in started:
+        try:
+            proc.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()

@@ -3,104 +3,20 @@ processes on a private Redis, and a client of the coordinator."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
+from procs import ServiceProc
 
-from omniflow.localredis import LocalRedisError, RedisProcess, find_redis_server, start_redis
+from omniflow.localredis import RedisProcess
 
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    ready_file: Path
-    log: Path
-    address: str = ""
-
-    def wait_ready(self, timeout_s: float = 30.0) -> Proc:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.popen.poll() is not None:
-                raise AssertionError(f"{self.name} exited {self.popen.returncode}:\n{self.tail()}")
-            if self.ready_file.exists():
-                self.address = json.loads(self.ready_file.read_text())["address"]
-                return self
-            time.sleep(0.05)
-        raise AssertionError(f"{self.name} not ready after {timeout_s}s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-
-    def kill(self) -> None:
-        """SIGKILL: no deregistration, no goodbye."""
-        self.popen.send_signal(signal.SIGKILL)
-        self.popen.wait(timeout=10)
+# ``launch`` and ``private_redis`` come from tests/conftest.py.
+Proc = ServiceProc
 
 
 @pytest.fixture
-def redis_proc(tmp_path: Path) -> Iterator[RedisProcess]:
-    try:
-        binary = find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
-    server = start_redis(dir=tmp_path / "redis", binary=binary)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def launch(tmp_path: Path, redis_proc: RedisProcess) -> Iterator[Callable[..., Proc]]:
-    """Start ``python -m <module>`` with env on the private Redis; all ended at teardown."""
-    started: list[Proc] = []
-
-    def start(module: str, name: str, **env: str) -> Proc:
-        ready = tmp_path / f"{name}.ready.json"
-        log = tmp_path / f"{name}.log"
-        full_env = {
-            **os.environ,
-            "OMNIFLOW_REDIS_URL": redis_proc.url,
-            "OMNIFLOW_DISCOVERY": "redis",
-            "OMNIFLOW_PORT": "0",
-            "OMNIFLOW_METRICS_PORT": "-1",
-            "OMNIFLOW_READY_FILE": str(ready),
-            "OMNIFLOW_INSTANCE_ID": name,
-            "OMNIFLOW_REGISTRATION_TTL_S": "2",
-            "OMNIFLOW_LOG_LEVEL": "INFO",
-            **env,
-        }
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", module],
-                env=full_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        proc = Proc(name, popen, ready, log)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGTERM)
-    for proc in started:
-        try:
-            proc.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            proc.popen.wait()
+def redis_proc(private_redis: RedisProcess) -> RedisProcess:
+    return private_redis
 
 
 ECHO = "omniflow.testing.echo_worker"

@@ -65,7 +65,7 @@ class Topology:
             "kv_index", f"kvi-{self.tag}", OMNIFLOW_KV_LEASE_TTL_MS=str(LEASE_MS),
             OMNIFLOW_KV_SWEEP_INTERVAL_S="0.2", **env,
         )  # fmt: skip
-        self.index_address = (await asyncio.to_thread(proc.wait_ready))["address"]
+        self.index_address = (await asyncio.to_thread(proc.wait_ready)).address
         channel = open_channel(self.index_address)
         stub = kvindex_pb2_grpc.KVIndexServiceStub(channel)
         await stub.RegisterNamespace(
@@ -90,7 +90,7 @@ class Topology:
             OMNIFLOW_KV_HOST_BYTES=str(64 * LAYOUT.page_bytes), **env,
         )  # fmt: skip
         self.procs[name] = proc
-        return (await asyncio.to_thread(proc.wait_ready))["address"]
+        return (await asyncio.to_thread(proc.wait_ready)).address
 
     def cleanup(self) -> None:
         for path in SHM.glob(f"omniflow-*-{self.tag}*"):

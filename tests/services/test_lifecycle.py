@@ -44,7 +44,7 @@ async def _wait_until(predicate, timeout_s: float, what: str) -> float:
 @pytest.mark.parametrize(("module", "service", "env"), SERVICES, ids=[s[0] for s in SERVICES])
 async def test_register_serve_and_deregister_on_sigterm(spawn, private_redis, module, service, env):
     proc = spawn(module, f"{module}-a", OMNIFLOW_REGISTRATION_TTL_S=str(TTL_S), **env)
-    ready = await asyncio.to_thread(proc.wait_ready)
+    ready = (await asyncio.to_thread(proc.wait_ready)).info
     # The ready file is written after registration: by now both must hold.
     assert await check_health(ready["address"]) == "SERVING"
     assert f"{module}-a" in await _listed(private_redis.url, service)
