@@ -32,6 +32,7 @@ from omniflow_services.worker.llm import ChatTurn, LLMRole, chatml
 from omniflow_services.worker.mm.image_role import ImageRequest
 from omniflow_services.worker.mm.media import AUDIO, IMAGE, MediaInput
 from omniflow_services.worker.mm.media_prompt import EncodedRef, MediaResolver, multimodal_request
+from omniflow_services.worker.mm.prompt import PLACEHOLDER
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,11 @@ def _kind(item: common_pb2.MediaItem, name: str) -> str:
 
 
 def has_media(request: worker_pb2.GenerateRequest) -> bool:
-    if len(request.items):
+    """Whether the prompt has media parts, items, or placeholders (which need items)."""
+    kind = request.WhichOneof("prompt")
+    if len(request.items) or (kind == "text" and PLACEHOLDER.search(request.text)):
         return True
-    if request.WhichOneof("prompt") != "messages":
+    if kind != "messages":
         return False
     return any(p.WhichOneof("part") != "text" for m in request.messages.messages for p in m.content)
 
@@ -314,7 +317,5 @@ class MultimodalEdge:
 
 def _ref_kind(text: str, k: int) -> str:
     """The kind of the ``k``-th placeholder of ``text`` (encoded items carry no kind)."""
-    from omniflow_services.worker.mm.prompt import PLACEHOLDER
-
     marks = PLACEHOLDER.findall(text)
     return marks[k] if k < len(marks) else ""

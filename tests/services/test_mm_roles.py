@@ -161,6 +161,7 @@ async def test_encoded_items_and_placeholders(cluster: Cluster) -> None:
         for text, items, needle in [
             ("<|image|> and <|image|>", [part], "2 media placeholders"),
             ("no placeholder", [part], "0 media placeholders"),
+            ("<|image|> without its item", [], "has 1 media placeholders"),
             ("<|audio|>", [_img_part(img)], "placeholder is <|audio|>"),
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
