@@ -3,6 +3,7 @@ kv-agent (embeddings as TensorRefs in the data plane) and a kv-index, on a priva
 
 from __future__ import annotations
 
+import asyncio
 import io
 import wave
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from mm_cluster import Cluster, make_models, png, start_cluster, wav
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.kv.blocks import item_id
+from omniflow.kv.client import KVClient
 from omniflow.localredis import LocalRedisError, find_redis_server
 from omniflow.rpc.client import open_channel
 
@@ -232,10 +234,22 @@ async def test_prompt_pages_from_the_llm_worker(cluster: Cluster) -> None:
             kv_namespace=info_l.kv_namespace,
             block_hashes=pre.prompt_block_hashes,
         )
+        # The llm worker wrote its full pages through to the node's agent: wait for them.
+        async with KVClient(cluster.addresses["kv-agent"]) as probe:
+            for _ in range(200):
+                held = await probe.locate(bytes.fromhex(info_l.kv_namespace), pages.block_hashes)
+                n = len(held)
+                await held.release()
+                if n == len(pages.block_hashes):
+                    break
+                await asyncio.sleep(0.05)
+        assert n == len(pages.block_hashes)
         size = {"width": 32, "height": 32, "steps": 2, "seed": 1}
         by_pages = await dif.GenerateImage(
             worker_pb2.GenerateImageRequest(prompt_pages=pages, **size)
         )
+        # Pulled from the agent, not recomputed: every full page but one holding the last token.
+        assert by_pages.cached_prompt_tokens == (len(ids) - 1) // 16 * 16
         by_text = await dif.GenerateImage(worker_pb2.GenerateImageRequest(text=prompt, **size))
         assert by_pages.prompt_tokens == by_text.prompt_tokens == len(ids)
         assert by_pages.png == by_text.png  # the same prompt tokens, the same image
