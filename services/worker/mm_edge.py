@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import grpc
 import numpy as np
 
 from omniflow.api.common.v1 import common_pb2
@@ -121,8 +122,6 @@ class MultimodalEdge:
                 for it in items
             ]
         )
-        import grpc
-
         try:
             reply = await stub.Encode(req, timeout=ENCODE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:

@@ -9,6 +9,7 @@ import wave
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 from mm_cluster import Cluster, make_models, png, start_cluster, wav
 
@@ -16,6 +17,7 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.kv.blocks import item_id
 from omniflow.kv.client import KVClient
+from omniflow.kv.tensor_client import TensorClient
 from omniflow.localredis import LocalRedisError, find_redis_server
 from omniflow.rpc.client import open_channel
 
@@ -80,6 +82,16 @@ async def test_encode_returns_refs_and_caches_by_item_id(cluster: Cluster) -> No
         assert first.cache_hits == 0
         second = await s.Encode(req)
         assert second.cache_hits == 2
+        # Raw bytes already in the data plane: the same item, by reference.
+        tensors = TensorClient(cluster.addresses["kv-agent"])
+        try:
+            raw = await tensors.put(np.frombuffer(img, np.uint8))
+        finally:
+            await tensors.close()
+        by_ref = await s.Encode(
+            worker_pb2.EncodeRequest(items=[common_pb2.MediaItem(kind=IMAGE, ref=raw)])
+        )
+        assert by_ref.items[0].item_id == item_id(img) and by_ref.cache_hits == 1
 
 
 @pytest.mark.parametrize(
