@@ -5,14 +5,18 @@ examples while the real engines are not in a worker.
 node, operations) and serves:
 
 - ``Generate``: streams ``"echo: <prompt>"`` word by word (``max_tokens`` words at most),
-  after a fake prefill of ``prefill_us_per_token`` per prompt token not in its prefix
-  cache; the cache is keyed by block hashes of the prompt bytes (page of 16 bytes, the
-  project's hash contract), and the blocks are published to the KV index through its
-  Redis when ``OMNIFLOW_ECHO_PUBLISH_KV`` is set, so ``kv_aware`` routing can see them.
+  one word per step of a fake continuous-batching engine (``echo_engine``): prompt bytes
+  are tokens, a step costs a fixed time plus a time per request in decode plus a time
+  per prompt token computed, concurrent requests share the steps, and a finite LRU
+  prefix cache over block hashes of the prompt (page of 16 bytes, the project's hash
+  contract) spares the prefill of cached leading blocks. Blocks stored and evicted are
+  published to the KV index through its Redis when ``OMNIFLOW_ECHO_PUBLISH_KV`` is set,
+  so ``kv_aware`` routing sees them.
 - ``Synthesize``: streams fake 16-bit PCM (160 samples per character of text).
 - ``Invoke``: ``upper``, ``classify`` (``math`` when the text has a digit, else
   ``chat``), ``critique`` (appends "+" and scores len/20), ``sleep`` (``ms``), ``fail``
-  (UNAVAILABLE), ``noop``, and ``stats`` (calls, cancelled calls, cache hits).
+  (UNAVAILABLE), ``noop``, ``stats`` (calls, cancelled calls, cache hits, prefill work)
+  and ``reset`` (empties the prefix cache, tells the index, zeroes the counters).
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import contextlib
 import logging
 import os
 import sys
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -34,12 +37,13 @@ from omniflow.config import CommonSettings, setting
 from omniflow.errors import InvalidArgument, NotFound, Unavailable
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.rpc.server import Runtime, ServiceApp, serve_main
+from omniflow.testing.echo_engine import ComputeModel, EchoEngine
 from omniflow.values import from_python, to_python
 from omniflow.workers import WORKER_SERVICE, worker_metadata
 
 log = logging.getLogger(__name__)
 
-INVOKE_OPS = ("upper", "classify", "critique", "sleep", "fail", "noop", "stats")
+INVOKE_OPS = ("upper", "classify", "critique", "sleep", "fail", "noop", "stats", "reset")
 BUILTIN_OPS = {"llm": ("generate",), "talker": ("synthesize",)}
 ECHO_LAYOUT = KVLayout("echo-bytes", 1, 1, 1, "float32", 16)
 
@@ -51,13 +55,25 @@ class EchoSettings(CommonSettings):
     role: str = setting("OMNIFLOW_WORKER_ROLE", "llm", "role this test worker registers as")
     weight: float = setting("OMNIFLOW_ECHO_WEIGHT", 1.0, "weight in discovery metadata")
     token_delay_ms: float = setting(
-        "OMNIFLOW_ECHO_TOKEN_DELAY_MS", 0.0, "delay per generated word", minimum=0
+        "OMNIFLOW_ECHO_TOKEN_DELAY_MS",
+        0.0,
+        "fixed time of one engine step (one generated word per request in decode)",
+        minimum=0,
     )
     prefill_us_per_token: float = setting(
-        "OMNIFLOW_ECHO_PREFILL_US", 0.0, "fake prefill time per uncached prompt byte", minimum=0
+        "OMNIFLOW_ECHO_PREFILL_US", 0.0, "prefill time per uncached prompt byte", minimum=0
+    )
+    decode_us: float = setting(
+        "OMNIFLOW_ECHO_DECODE_US", 0.0, "step time added per request in decode", minimum=0
+    )
+    step_tokens: int = setting(
+        "OMNIFLOW_ECHO_STEP_TOKENS", 2048, "prefill budget of one step, in bytes", minimum=1
+    )
+    max_running: int = setting(
+        "OMNIFLOW_ECHO_MAX_RUNNING", 256, "requests batched together; more wait", minimum=1
     )
     cache_blocks: int = setting(
-        "OMNIFLOW_ECHO_CACHE_BLOCKS", 4096, "prefix cache capacity in blocks", minimum=1
+        "OMNIFLOW_ECHO_CACHE_BLOCKS", 4096, "prefix cache capacity in blocks (LRU)", minimum=1
     )
     publish_kv: bool = setting(
         "OMNIFLOW_ECHO_PUBLISH_KV", False, "publish cached blocks to the KV index's Redis"
@@ -65,35 +81,13 @@ class EchoSettings(CommonSettings):
 
 
 class EchoCore:
-    """The fake compute: a prefix cache over prompt blocks and some counters."""
+    """Counters of the test worker (the compute and the cache are in ``engine``)."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.cache: OrderedDict[bytes, None] = OrderedDict()
+    def __init__(self, engine: EchoEngine) -> None:
+        self.engine = engine
         self.calls = 0
         self.cancelled = 0
         self.running = 0
-        self.hit_tokens = 0
-        self.prompt_tokens = 0
-
-    def admit(self, prompt: bytes) -> tuple[int, list[bytes], list[bytes]]:
-        """(cached prompt bytes, all block hashes, new hashes) — and caches the prompt."""
-        hashes = block_hashes(ECHO_LAYOUT.namespace, list(prompt), ECHO_LAYOUT.page_size)
-        hit = 0
-        for h in hashes:
-            if h not in self.cache:
-                break
-            hit += 1
-            self.cache.move_to_end(h)
-        new = [h for h in hashes[hit:] if h not in self.cache]
-        for h in new:
-            self.cache[h] = None
-        while len(self.cache) > self.capacity:
-            self.cache.popitem(last=False)
-        cached = hit * ECHO_LAYOUT.page_size
-        self.hit_tokens += cached
-        self.prompt_tokens += len(prompt)
-        return cached, hashes, new
 
 
 class EchoServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -104,23 +98,21 @@ class EchoServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        s = self.app.settings
         core = self.core
         core.calls += 1
         core.running += 1
+        req = None
         try:
             prompt = request.text
-            cached, hashes, new = core.admit(prompt.encode())
-            await self.app.publish(new)
-            uncached = len(prompt.encode()) - cached
-            if s.prefill_us_per_token:
-                await asyncio.sleep(uncached * s.prefill_us_per_token / 1e6)
+            data = prompt.encode()
+            hashes = block_hashes(ECHO_LAYOUT.namespace, list(data), ECHO_LAYOUT.page_size)
             words = f"echo: {prompt}".split(" ")
             limit = request.sampling.max_tokens or len(words)
             words = words[:limit]
+            req = core.engine.submit(len(data), hashes, len(words))
             for i, word in enumerate(words):
-                if s.token_delay_ms:
-                    await asyncio.sleep(s.token_delay_ms / 1000)
+                if await req.tokens.get() is None:
+                    break
                 last = i == len(words) - 1
                 chunk = worker_pb2.GenerateResponse(
                     request_id=request.request_id, text=word if i == 0 else " " + word
@@ -129,8 +121,8 @@ class EchoServicer(worker_pb2_grpc.WorkerServiceServicer):
                     chunk.finish_reason = worker_pb2.FINISH_REASON_STOP
                     chunk.usage.CopyFrom(
                         common_pb2.Usage(
-                            prompt_tokens=len(prompt.encode()),
-                            cached_tokens=cached,
+                            prompt_tokens=len(data),
+                            cached_tokens=req.cached,
                             completion_tokens=len(words),
                         )
                     )
@@ -141,6 +133,8 @@ class EchoServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise
         finally:
             core.running -= 1
+            if req is not None:
+                core.engine.cancel(req)
 
     async def Synthesize(
         self, request: worker_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext
@@ -162,7 +156,7 @@ class EchoServicer(worker_pb2_grpc.WorkerServiceServicer):
         core = self.core
         op = request.operation
         inputs = {k: to_python(v) for k, v in request.inputs.items()}
-        if op == "stats":  # not counted: it would count itself
+        if op in ("stats", "reset"):  # not counted: it would count itself
             return self._reply(await self._invoke(op, inputs))
         core.calls += 1
         core.running += 1
@@ -199,22 +193,35 @@ class EchoServicer(worker_pb2_grpc.WorkerServiceServicer):
         if op == "fail":
             raise Unavailable(f"test worker {self.app.instance_id} fails on purpose")
         if op == "stats":
-            c = self.core
+            c, e = self.core, self.core.engine
             return {
                 "calls": c.calls,
                 "cancelled": c.cancelled,
                 "running": c.running,
-                "hit_tokens": c.hit_tokens,
-                "prompt_tokens": c.prompt_tokens,
+                "hit_tokens": e.hit_tokens,
+                "prompt_tokens": e.prompt_tokens,
+                "computed_tokens": e.computed_tokens,
+                "cached_blocks": len(e.cache),
+                "steps": e.steps,
+                "busy_s": e.busy_s,
                 "worker": self.app.instance_id,
             }
+        if op == "reset":
+            await self.app.reset()
+            return {"worker": self.app.instance_id}
         raise NotFound(f"unknown operation {op!r}; this test worker serves {', '.join(INVOKE_OPS)}")
 
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.GetLoadResponse:
+        cache = self.core.engine.cache
         return worker_pb2.GetLoadResponse(
-            load=common_pb2.WorkerLoad(running_requests=max(self.core.running, 0))
+            load=common_pb2.WorkerLoad(
+                running_requests=len(self.core.engine.running),
+                waiting_requests=len(self.core.engine.waiting),
+                free_pages=max(cache.capacity - len(cache), 0),
+                total_pages=cache.capacity,
+            )
         )
 
     async def GetInfo(
@@ -248,12 +255,25 @@ class EchoWorkerApp(ServiceApp):
 
     def __init__(self, settings: EchoSettings) -> None:
         self.settings = settings
-        self.core = EchoCore(settings.cache_blocks)
+        model = ComputeModel(
+            prefill_us=settings.prefill_us_per_token,
+            decode_us=settings.decode_us,
+            step_us=settings.token_delay_ms * 1000,
+            step_tokens=settings.step_tokens,
+            max_running=settings.max_running,
+        )
+        engine = EchoEngine(model, settings.cache_blocks, ECHO_LAYOUT.page_size, self._on_blocks)
+        self.core = EchoCore(engine)
         self.runtime: Runtime | None = None
         self._kv: object | None = None
         self._lease: object | None = None
         self._seq = 0
         self._redis: object | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        # Block events not yet sent to the index, in the order the cache changed.
+        self._events: list[tuple[int, bytes]] = []
+        self._pending = asyncio.Event()
+        self._send_lock = asyncio.Lock()
 
     @property
     def instance_id(self) -> str:
@@ -268,6 +288,7 @@ class EchoWorkerApp(ServiceApp):
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self._tasks.append(asyncio.create_task(self.core.engine.run()))
         if self.settings.publish_kv:
             import redis.asyncio as aioredis
 
@@ -280,17 +301,60 @@ class EchoWorkerApp(ServiceApp):
             owner = OwnerInfo(runtime.instance_id, runtime.node, runtime.address, OwnerKind.WORKER)
             self._lease = await index.register_owner(owner, lease_ms=3_600_000)
             self._kv = index
+            self._tasks.append(asyncio.create_task(self._publisher()))
 
-    async def publish(self, hashes: list[bytes]) -> None:
-        if self._kv is None or not hashes:
+    def _on_blocks(self, stored: list[bytes], evicted: list[bytes]) -> None:
+        if self._kv is None:
             return
+        from omniflow.kv.events import EventKind
+
+        # Evictions too: an index that still lists evicted blocks misleads the router.
+        self._events.extend((EventKind.STORED, h) for h in stored)
+        self._events.extend((EventKind.REMOVED, h) for h in evicted)
+        self._pending.set()
+
+    async def _publisher(self) -> None:
+        """Sends the cache's changes to the index in order, batched, off the engine's path."""
+        while True:
+            await self._pending.wait()
+            self._pending.clear()
+            await self._flush()
+
+    async def _flush(self) -> None:
         from omniflow.kv.events import BlockEvent, EventKind, Tier
 
-        self._seq += 1
-        events = [
-            BlockEvent(EventKind.STORED, ECHO_LAYOUT.namespace, h, Tier.DEVICE) for h in hashes
-        ]
-        await self._kv.apply_events(self.instance_id, self._lease.epoch, self._seq, events)  # type: ignore[attr-defined]
+        async with self._send_lock:  # one sender at a time keeps the batches in order
+            events, self._events = self._events, []
+            for i in range(0, len(events), 4096):
+                batch = [
+                    BlockEvent(EventKind(k), ECHO_LAYOUT.namespace, h, Tier.DEVICE)
+                    if k != EventKind.CLEARED
+                    else BlockEvent(EventKind.CLEARED)
+                    for k, h in events[i : i + 4096]
+                ]
+                self._seq += 1
+                try:
+                    await self._kv.apply_events(  # type: ignore[attr-defined]
+                        self.instance_id,
+                        self._lease.epoch,  # type: ignore[attr-defined]
+                        self._seq,
+                        batch,
+                    )
+                except Exception as exc:  # the index is an accelerator: log and go on
+                    log.warning("publishing %d block events failed: %s", len(batch), exc)
+
+    async def reset(self) -> None:
+        """Empty the prefix cache (the index hears it in order) and zero the counters."""
+        self.core.engine.clear_cache()
+        e = self.core.engine
+        e.prompt_tokens = e.hit_tokens = e.computed_tokens = e.steps = 0
+        e.busy_s = 0.0
+        self.core.calls = self.core.cancelled = 0
+        if self._kv is not None:
+            from omniflow.kv.events import EventKind
+
+            self._events.append((EventKind.CLEARED, b""))
+            await self._flush()
 
     def metadata(self) -> dict[str, str]:
         node = self.runtime.node if self.runtime else ""
@@ -302,6 +366,10 @@ class EchoWorkerApp(ServiceApp):
         return meta
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._kv is not None:
             with contextlib.suppress(Exception):
                 await self._kv.deregister_owner(self.instance_id)  # type: ignore[attr-defined]
