@@ -47,7 +47,7 @@ demo: setup ## start the topology (unless running) and stream a reply from an ll
 	$(PY) examples/chat.py "Hello, Omni-Flow"
 
 bench: setup ## run every benchmark (prints tables)
-	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in $$(grep -l '__main__' bench/*.py); do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean: ## remove generated code and caches (keeps .venv)
 	rm -rf libs/omniflow/api .pytest_cache .ruff_cache
