@@ -69,17 +69,21 @@ class GrpcWorkerCaller:
         self._router = router
         self.pick_timeout_s, self.call_timeout_s = pick_timeout_s, call_timeout_s
         self._channels: dict[str, TracedChannel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
         self._outcomes: list[router_pb2.ReportOutcomeRequest] = []
         self._reporter: asyncio.Task[None] | None = None
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
-        channel = self._channels.get(address)
-        if channel is None:
+        # One channel and one stub per worker address: a stub builds a callable per
+        # method, too much to redo on every call.
+        stub = self._stubs.get(address)
+        if stub is None:
             channel = open_channel(
                 address, default_timeout_s=self.call_timeout_s, max_in_flight=None
             )
             self._channels[address] = channel
-        return worker_pb2_grpc.WorkerServiceStub(channel)
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(channel)
+        return stub
 
     async def pick(self, req: CallRequest, exclude: tuple[str, ...]) -> Target:
         stub = await self._router()
@@ -248,3 +252,4 @@ class GrpcWorkerCaller:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        self._stubs.clear()

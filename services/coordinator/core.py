@@ -5,6 +5,10 @@ Key layout: ``omniflow:workflows`` is a hash of workflow name → JSON summary
 ``{"name", "latest_version", "description"}``; each version's graph lives under
 ``omniflow:workflow:{name}:{version}`` (a serialized ``WorkflowGraph``), and
 ``omniflow:workflow:{name}:seq`` counts versions. Versions start at 1 and only grow.
+
+A version's graph never changes once stored, so each catalogue keeps the graphs it has
+read in memory: a run of the latest version costs one Redis read (which version is the
+latest), a run of a given version none.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from omniflow.dsl.validate import validate_graph
 from omniflow.errors import InvalidArgument, NotFound
 
 WORKFLOWS_KEY = "omniflow:workflows"
+GRAPH_CACHE_SIZE = 256
 
 # Store the graph, then move the summary forward only if this version is newer (two
 # registrations racing must not leave the summary pointing at the older one).
@@ -46,6 +51,12 @@ class WorkflowCatalogue:
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
+        self._graphs: dict[tuple[str, int], cpb.WorkflowGraph] = {}
+
+    def _remember(self, graph: cpb.WorkflowGraph) -> None:
+        if len(self._graphs) >= GRAPH_CACHE_SIZE:
+            del self._graphs[next(iter(self._graphs))]  # the oldest entry
+        self._graphs[(graph.name, graph.version)] = graph
 
     async def list(self) -> list[WorkflowSummary]:
         raw = await self._redis.hgetall(WORKFLOWS_KEY)
@@ -80,10 +91,13 @@ class WorkflowCatalogue:
             stored.SerializeToString(),
             summary,
         )
+        self._remember(stored)
         return version
 
     async def get(self, name: str, version: int = 0) -> cpb.WorkflowGraph:
-        """A registered graph (``version`` 0: the latest); raises NotFound naming it."""
+        """A registered graph (``version`` 0: the latest); raises NotFound naming it.
+
+        The graph returned is shared: callers must not modify it."""
         if not name:
             raise InvalidArgument("a workflow name is required")
         if version == 0:
@@ -94,9 +108,13 @@ class WorkflowCatalogue:
                     f"unknown workflow {name!r}; registered: {', '.join(known) or 'none'}"
                 )
             version = int(json.loads(raw)["latest_version"])
+        graph = self._graphs.get((name, version))
+        if graph is not None:
+            return graph
         data = await self._redis.get(f"omniflow:workflow:{name}:{version}")
         if data is None:
             raise NotFound(f"workflow {name!r} has no version {version}")
         graph = cpb.WorkflowGraph()
         graph.ParseFromString(data)
+        self._remember(graph)
         return graph

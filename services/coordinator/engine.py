@@ -166,11 +166,23 @@ def evaluate(pred: cpb.Predicate, value: Any) -> bool:
     return False
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a call node's attempts need that does not change between runs."""
+
+    params: dict[str, Any]  # shared by every call of the node: read, never modified
+    attempts: int
+    retry_on: frozenset[str]
+    semaphore: asyncio.Semaphore | None
+
+
 @dataclass(slots=True)
 class NodeLimits:
-    """Per-node concurrency limits shared by every run of one workflow version."""
+    """Per-node concurrency limits shared by every run of one workflow version, and the
+    nodes' plans (a version's graph never changes)."""
 
     semaphores: dict[str, asyncio.Semaphore] = field(default_factory=dict)
+    plans: dict[str, _Plan] = field(default_factory=dict)
 
     def get(self, key: str, limit: int) -> asyncio.Semaphore | None:
         if limit <= 0:
@@ -179,6 +191,18 @@ class NodeLimits:
         if sem is None:
             sem = self.semaphores[key] = asyncio.Semaphore(limit)
         return sem
+
+    def plan(self, path: str, node: cpb.Node) -> _Plan:
+        key = _strip_indices(path)  # every iteration of a loop or map shares one plan
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = _Plan(
+                {k: to_python(v) for k, v in node.params.items()},
+                max(1, node.retry.max_attempts),
+                frozenset(node.retry.retry_on) or DEFAULT_RETRY_ON,
+                self.get(key, node.max_concurrency),
+            )
+        return plan
 
 
 class _Scope:
@@ -205,7 +229,10 @@ class _Scope:
         if kind == "graph_input":
             return self.inputs.get(src.graph_input)
         if kind == "node_output":
-            outputs = await asyncio.shield(self.done[src.node_output.node])
+            # Awaited directly, not through asyncio.shield (one loop turn less per hop): a
+            # consumer is only cancelled together with its whole scope, producers
+            # included, and producers settle their future only if it is not done yet.
+            outputs = await self.done[src.node_output.node]
             return outputs.get(src.node_output.output)
         return to_python(src.constant)
 
@@ -219,11 +246,10 @@ class Executor:
         sink: RunSink,
         run_id: str,
         limits: NodeLimits,
-        limit_key: str,
         deadline: float | None = None,
     ) -> None:
         self.caller, self.sink, self.run_id = caller, sink, run_id
-        self.limits, self.limit_key = limits, limit_key
+        self.limits = limits
         self.deadline = deadline  # loop time
         self._seq = 0
 
@@ -272,13 +298,13 @@ class Executor:
                 self.sink.node_finished(
                     path, cpb.RUN_STATE_SUCCEEDED, "", (time.perf_counter() - started) * 1e3
                 )
-            future.set_result(out)
+            if not future.done():
+                future.set_result(out)
         except asyncio.CancelledError:
             future.cancel()
             raise
         except NodeFailed as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: consumers are cancelled with the group anyway
+            _settle(future, exc)
             if exc.path == path:
                 self.sink.node_finished(path, cpb.RUN_STATE_FAILED, exc.reason, 0.0)
             elif exc.path.startswith((path + "/", path + "[")):
@@ -289,8 +315,7 @@ class Executor:
             # A bug or an unexpected error: fail the node rather than hang the run.
             log.exception("node %s of run %s", path, self.run_id)
             failed = NodeFailed(path, f"{type(exc).__name__}: {exc}")
-            future.set_exception(failed)
-            future.exception()
+            _settle(future, failed)
             self.sink.node_finished(path, cpb.RUN_STATE_FAILED, failed.reason, 0.0)
             raise failed from exc
         finally:
@@ -359,13 +384,12 @@ class Executor:
     ) -> dict[str, Any]:
         spec = node.call
         session = values.get(spec.session_key_input) if spec.session_key_input else ""
-        params = {k: to_python(v) for k, v in node.params.items()}
-        attempts = max(1, node.retry.max_attempts)
-        retry_on = set(node.retry.retry_on) or DEFAULT_RETRY_ON
+        plan = self.limits.plan(path, node)
+        params, attempts, retry_on, sem = plan.params, plan.attempts, plan.retry_on, plan.semaphore
         backoff = node.retry.initial_backoff_ms / 1000
         exclude: list[str] = []
-        sem = self.limits.get(f"{self.limit_key}/{_strip_indices(path)}", node.max_concurrency)
-        outs = {(n, o): s for (n, o), s in scope.streams.items() if n == node.name}
+        outs = {k: s for k, s in scope.streams.items() if k[0] == node.name}
+        calling = scope.calling[node.name]
         delivered = False
 
         async def on_chunk(output: str, chunk: Any) -> None:
@@ -400,7 +424,8 @@ class Executor:
                         if target is None:
                             target = await self.caller.pick(req, tuple(exclude))
                         self.sink.node_started(path, target.worker_id, attempt)
-                        scope.calling[node.name].set()
+                        if not calling.is_set():
+                            _later(calling.set)  # consumers pick ahead once this call is out
                         async with asyncio.timeout(req.timeout_s):
                             result = await self.caller.invoke(target, req, on_chunk)
                     finally:
@@ -525,6 +550,19 @@ class Executor:
             raise eg.exceptions[0] from None
         results = [t.result() for t in tasks]
         return {p.name: [r.get(p.name) for r in results] for p in node.outputs}
+
+
+def _settle(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+        future.exception()  # retrieved: consumers are cancelled with the group anyway
+
+
+def _later(callback: Callable[[], Any]) -> None:
+    """Run ``callback`` behind what the event loop already has to do: a 0 s timer joins
+    the ready queue only at the next turn, after the callbacks queued during this one
+    (so the worker call a node just started goes out before bookkeeping runs)."""
+    asyncio.get_running_loop().call_later(0, callback)
 
 
 def _strip_indices(path: str) -> str:

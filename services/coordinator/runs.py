@@ -8,8 +8,10 @@ Key layout (Redis):
 - ``omniflow:coordinator:{id}:lease``: present (with a TTL) while that coordinator lives.
 
 Events are kept in memory while a run is live and flushed to Redis in small batches
-(every ``flush_interval_s`` and at the end), so a hop costs no Redis round trip.
-Finished runs are kept for ``run_ttl_s``.
+(every ``flush_interval_s``, in one pipeline per run), so a hop costs no Redis round trip.
+The final record and every event, ``RunFinished`` included, are in Redis before
+``RunFinished`` reaches any client: a run a client saw finish is never reported
+interrupted by a coordinator that restarts. Finished runs are kept for ``run_ttl_s``.
 
 Restart behaviour: a run is not resumed. When a coordinator starts, every active run
 whose coordinator has no live lease (or is this coordinator's own id, from before a
@@ -34,7 +36,7 @@ from opentelemetry import trace
 from omniflow import telemetry
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
-from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted
+from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from omniflow.values import VType, check_type, from_python, to_python
 from omniflow_services.coordinator.core import WorkflowCatalogue
 from omniflow_services.coordinator.engine import (
@@ -66,18 +68,34 @@ class LiveRun:
         self.run = run
         self.events: list[cpb.RunEvent] = []
         self.flushed = 0
+        self.flush_lock = asyncio.Lock()
         self.changed = asyncio.Event()
+        self.listeners = 0
+        self._wake_pending = False
         self.task: asyncio.Task[None] | None = None
+        self.registered: asyncio.Future[Any] | None = None  # the write of the active entry
         self.cancel_reason = ""
         self.nodes: dict[str, cpb.NodeState] = {}
-        self.started: dict[str, float] = {}
+
+    def event(self, **event: Any) -> cpb.RunEvent:
+        """The next event (not yet visible to listeners: see ``publish``)."""
+        seq = len(self.events) + 1
+        return cpb.RunEvent(run_id=self.run.run_id, seq=seq, unix_ms=_now_ms(), **event)
+
+    def publish(self, ev: cpb.RunEvent) -> None:
+        self.events.append(ev)
+        # Listeners wake behind what the loop already has queued (a 0 s timer: the next
+        # node's worker call goes out before the event does); nobody listening: no work.
+        if self.listeners and not self._wake_pending:
+            self._wake_pending = True
+            asyncio.get_running_loop().call_later(0, self._wake)
+
+    def _wake(self) -> None:
+        self._wake_pending = False
+        self.changed.set()
 
     def emit(self, **event: Any) -> None:
-        ev = cpb.RunEvent(run_id=self.run.run_id, seq=len(self.events) + 1, unix_ms=_now_ms())
-        for key, value in event.items():
-            getattr(ev, key).CopyFrom(value)
-        self.events.append(ev)
-        self.changed.set()
+        self.publish(self.event(**event))
 
     # -- RunSink
     def node_started(self, path: str, worker_id: str, attempt: int) -> None:
@@ -208,19 +226,24 @@ class RunManager:
                     except Exception as exc:
                         log.warning("flush of run %s failed: %s", live.run.run_id, exc)
 
-    async def _flush(self, live: LiveRun, final: bool = False) -> None:
-        key = run_key(live.run.run_id)
-        pending = live.events[live.flushed :]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            if pending:
-                pipe.rpush(f"{key}:events", *[e.SerializeToString() for e in pending])
-            pipe.set(key, live.record().SerializeToString())
-            if final:
-                pipe.expire(key, int(self.run_ttl_s))
-                pipe.expire(f"{key}:events", int(self.run_ttl_s))
-                pipe.hdel(ACTIVE_KEY, live.run.run_id)
-            await pipe.execute()
-        live.flushed += len(pending)
+    async def _flush(self, live: LiveRun, last: cpb.RunEvent | None = None) -> None:
+        """Write the record and the events not yet written, in one pipeline; with
+        ``last`` (the RunFinished event, not yet published), the final write."""
+        async with live.flush_lock:  # the periodic and the final flush never interleave
+            key = run_key(live.run.run_id)
+            pending = live.events[live.flushed :]
+            if last is not None:
+                pending.append(last)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                if pending:
+                    pipe.rpush(f"{key}:events", *[e.SerializeToString() for e in pending])
+                pipe.set(key, live.record().SerializeToString())
+                if last is not None:
+                    pipe.expire(key, int(self.run_ttl_s))
+                    pipe.expire(f"{key}:events", int(self.run_ttl_s))
+                    pipe.hdel(ACTIVE_KEY, live.run.run_id)
+                await pipe.execute()
+            live.flushed += len(pending) - (last is not None)
 
     async def stop(self) -> None:
         """Cancel live runs (recorded as cancelled by shutdown), stop background tasks."""
@@ -284,6 +307,8 @@ class RunManager:
         values = self._check_inputs(graph, inputs)
         run_id = run_id or uuid.uuid4().hex
         deadline_ms = deadline_ms or graph.default_deadline_ms
+        if run_id in self.live:
+            return run_id  # the same id submitted twice at once
         run = cpb.Run(
             run_id=run_id,
             workflow=graph.name,
@@ -298,9 +323,20 @@ class RunManager:
             run.trace_id = current_trace_id()
             live = LiveRun(run)
             self.live[run_id] = live
-            await self.redis.hset(ACTIVE_KEY, run_id, self.owner_id)
+            # The run starts while its active entry is written (the first Pick overlaps the
+            # Redis round trip); the id goes back only once the entry is in Redis, so that
+            # a run a client knows of is always accounted for after a crash.
+            live.registered = asyncio.ensure_future(
+                self.redis.hset(ACTIVE_KEY, run_id, self.owner_id)
+            )
             # The task inherits this context: every node call is a child of the run span.
             live.task = asyncio.create_task(self._execute(live, graph, values, deadline_ms, span))
+        try:
+            await asyncio.shield(live.registered)
+        except Exception as exc:
+            live.cancel_reason = f"could not record the run in Redis: {exc}"
+            live.task.cancel()
+            raise Unavailable(f"run {run_id} not started: Redis does not answer ({exc})") from exc
         return run_id
 
     async def _execute(
@@ -314,9 +350,7 @@ class RunManager:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + deadline_ms / 1000 if deadline_ms else None
         limits = self.limits.setdefault(f"{graph.name}:{graph.version}", NodeLimits())
-        executor = Executor(
-            self.caller, live, live.run.run_id, limits, f"{graph.name}:{graph.version}", deadline
-        )
+        executor = Executor(self.caller, live, live.run.run_id, limits, deadline)
         state, error, outputs = cpb.RUN_STATE_SUCCEEDED, "", {}
         try:
             async with asyncio.timeout_at(deadline):
@@ -344,18 +378,27 @@ class RunManager:
         run.state, run.error, run.finished_unix_ms = state, error, _now_ms()  # type: ignore[assignment]
         for k, v in out_values.items():
             run.outputs[k].CopyFrom(v)
-        live.emit(
+        finished = live.event(
             run_finished=cpb.RunFinished(state=state, outputs=out_values, error=error)  # type: ignore[arg-type]
         )
         if state != cpb.RUN_STATE_SUCCEEDED:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         span.end()
         try:
-            await asyncio.shield(self._flush(live, final=True))
+            # In Redis first, then visible: see the module docstring.
+            await asyncio.shield(self._final_flush(live, finished))
         except Exception as exc:
             log.error("could not record run %s: %s", run.run_id, exc)
         finally:
+            live.publish(finished)
             self.live.pop(run.run_id, None)
+
+    async def _final_flush(self, live: LiveRun, finished: cpb.RunEvent) -> None:
+        if live.registered is not None:
+            # Its entry must be in Redis before the final write removes it.
+            with contextlib.suppress(Exception):
+                await live.registered
+        await self._flush(live, finished)
 
     async def get(self, run_id: str) -> cpb.Run:
         live = self.live.get(run_id)
@@ -377,17 +420,21 @@ class RunManager:
                 yield ev
             return
         index = max(from_seq - 1, 0)
-        while True:
-            while index < len(live.events):
-                ev = live.events[index]
-                index += 1
-                yield ev
-                if ev.HasField("run_finished"):
-                    return
-            live.changed.clear()
-            if index < len(live.events):
-                continue
-            await live.changed.wait()
+        live.listeners += 1
+        try:
+            while True:
+                while index < len(live.events):
+                    ev = live.events[index]
+                    index += 1
+                    yield ev
+                    if ev.HasField("run_finished"):
+                        return
+                live.changed.clear()
+                if index < len(live.events):
+                    continue
+                await live.changed.wait()
+        finally:
+            live.listeners -= 1
 
     async def _stored_events(self, run_id: str, from_seq: int) -> AsyncIterator[cpb.RunEvent]:
         if not await self.redis.exists(run_key(run_id)):

@@ -164,8 +164,7 @@ class CoordinatorApp(ServiceApp):
         return (await self.router())[1]
 
     def catalogue(self) -> WorkflowCatalogue:
-        assert self._redis is not None, "started"
-        return WorkflowCatalogue(self._redis)
+        return self.runs().catalogue  # one catalogue: its graph cache serves runs too
 
     async def router(self) -> tuple[str, router_pb2_grpc.RouterServiceStub]:
         """The router's address and a stub, from settings or discovery.
