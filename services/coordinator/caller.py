@@ -5,6 +5,11 @@ Built-in operations map to their WorkerService methods (``generate`` → Generat
 any other operation goes through ``Invoke`` with the node's params merged into its
 inputs. Cancelling the awaiting task cancels the RPC, so a cancelled run or a missed
 deadline also ends the call on the worker.
+
+The Pick of an ``llm.generate`` call carries KV hints (namespace and the prompt's block
+hashes, see ``kvhints``) whenever the call may be routed ``kv_aware``: its strategy says
+so, or it leaves the choice to the router and the router's default for the role is
+``kv_aware`` (learnt from Pick replies; assumed until the first reply says otherwise).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
 from omniflow.values import from_python, to_python
 from omniflow_services.coordinator.engine import CallRequest, ChunkSink, Target
+from omniflow_services.coordinator.kvhints import KVHinter
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,8 @@ def sampling_params(params: dict[str, Any]) -> common_pb2.SamplingParams:
 
 
 REPORT_INTERVAL_S = 0.02
+KV_AWARE = router_pb2.STRATEGY_KV_AWARE
+_PROMPT = ("prompt",)
 
 _FINISH = {
     worker_pb2.FINISH_REASON_STOP: "stop",
@@ -65,8 +73,11 @@ class GrpcWorkerCaller:
         *,
         pick_timeout_s: float = 2.0,
         call_timeout_s: float = 300.0,
+        hinter: KVHinter | None = None,
     ) -> None:
         self._router = router
+        self.hinter = hinter
+        self._role_default: dict[str, int] = {}  # role -> strategy the router used for 0
         self.pick_timeout_s, self.call_timeout_s = pick_timeout_s, call_timeout_s
         self._channels: dict[str, TracedChannel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
@@ -85,25 +96,47 @@ class GrpcWorkerCaller:
             stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(channel)
         return stub
 
+    def _wants_hints(self, role: str, operation: str, strategy: int) -> bool:
+        if self.hinter is None or role != "llm" or operation != "generate":
+            return False
+        return strategy == KV_AWARE or (
+            strategy == 0 and self._role_default.get(role, KV_AWARE) == KV_AWARE
+        )
+
+    def pick_reads(self, role: str, operation: str, strategy: int) -> tuple[str, ...]:
+        """Inputs whose values the Pick of such a call carries (the prompt, for hints)."""
+        return _PROMPT if self._wants_hints(role, operation, strategy) else ()
+
     async def pick(self, req: CallRequest, exclude: tuple[str, ...]) -> Target:
         stub = await self._router()
         timeout = self.pick_timeout_s
         if req.timeout_s is not None:
             timeout = min(timeout, req.timeout_s)
+        prompt = req.inputs.get("prompt")
+        msg = router_pb2.PickRequest(
+            role=req.role,
+            strategy=req.strategy,  # type: ignore[arg-type]
+            session_key=req.session_key,
+            exclude_worker_ids=list(exclude),
+            operation=req.operation,
+            prompt_tokens=len(prompt) // 4 if isinstance(prompt, str) else 0,
+        )
+        if (
+            self.hinter is not None
+            and isinstance(prompt, str)
+            and self._wants_hints(req.role, req.operation, req.strategy)
+        ):
+            hints = await self.hinter.hints(req.role, prompt)
+            if hints is not None:
+                msg.kv_namespace = hints.namespace
+                msg.block_hashes.extend(hints.block_hashes)
+                msg.prompt_tokens = hints.prompt_tokens
         try:
-            reply = await stub.Pick(
-                router_pb2.PickRequest(
-                    role=req.role,
-                    strategy=req.strategy,  # type: ignore[arg-type]
-                    session_key=req.session_key,
-                    exclude_worker_ids=list(exclude),
-                    operation=req.operation,
-                    prompt_tokens=len(str(req.inputs.get("prompt", ""))) // 4,
-                ),
-                timeout=timeout,
-            )
+            reply = await stub.Pick(msg, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
+        if req.strategy == 0:
+            self._role_default[req.role] = reply.strategy
         return Target(reply.worker.worker_id, reply.worker.address)
 
     async def invoke(
@@ -249,6 +282,8 @@ class GrpcWorkerCaller:
     async def close(self) -> None:
         if self._reporter is not None:
             self._reporter.cancel()
+        if self.hinter is not None:
+            await self.hinter.close()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

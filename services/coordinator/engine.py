@@ -79,6 +79,11 @@ class WorkerCaller(Protocol):
 
     async def report(self, target: Target, ok: bool, latency_ms: float, code: str) -> None: ...
 
+    def pick_reads(self, role: str, operation: str, strategy: int) -> tuple[str, ...]:
+        """Inputs whose values ``pick`` reads for such a call (e.g. the prompt, for KV
+        hints): the engine picks ahead only when they are known before the call."""
+        ...
+
 
 class RunSink(Protocol):
     """Receives the run's progress (the run manager turns it into RunEvents)."""
@@ -337,25 +342,25 @@ class Executor:
         producers = {s.node_output.node for s in node.inputs.values() if s.HasField("node_output")}
         if not producers:
             return None
-        key_src = (
-            node.inputs.get(node.call.session_key_input) if node.call.session_key_input else None
-        )
+        spec = node.call
+        key_src = node.inputs.get(spec.session_key_input) if spec.session_key_input else None
         if key_src is not None and key_src.HasField("node_output"):
+            return None
+        reads = {
+            name: node.inputs[name]
+            for name in self.caller.pick_reads(spec.role, spec.operation, spec.strategy)
+            if name in node.inputs
+        }
+        if any(src.HasField("node_output") for src in reads.values()):
             return None
         for name in producers:
             await scope.calling[name].wait()
         session = ""
         if key_src is not None:
             session = str(await scope.resolve(key_src) or "")
+        inputs = {name: await scope.resolve(src) for name, src in reads.items()}
         req = CallRequest(
-            "",
-            node.call.role,
-            node.call.operation,
-            {},
-            {},
-            node.call.strategy,
-            session,
-            self._timeout(node),
+            "", spec.role, spec.operation, inputs, {}, spec.strategy, session, self._timeout(node)
         )
         loop = asyncio.get_running_loop()
         return _Ahead(asyncio.ensure_future(self.caller.pick(req, ())), loop.time())

@@ -16,9 +16,11 @@ from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import error_from_rpc
+from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
 from omniflow_services.coordinator.caller import GrpcWorkerCaller
 from omniflow_services.coordinator.config import CoordinatorSettings
 from omniflow_services.coordinator.core import WorkflowCatalogue
+from omniflow_services.coordinator.kvhints import KVHinter
 from omniflow_services.coordinator.runs import RunManager
 
 log = logging.getLogger(__name__)
@@ -143,6 +145,7 @@ class CoordinatorApp(ServiceApp):
             self._router_stub,
             pick_timeout_s=self.settings.pick_timeout_s,
             call_timeout_s=self.settings.node_timeout_s,
+            hinter=KVHinter(self._workers),
         )
         s = self.settings
         self._runs = RunManager(
@@ -159,6 +162,10 @@ class CoordinatorApp(ServiceApp):
     def runs(self) -> RunManager:
         assert self._runs is not None, "started"
         return self._runs
+
+    async def _workers(self) -> list[WorkerRecord]:
+        assert self.runtime is not None
+        return [worker_from_instance(i) for i in await self.runtime.registry.list(WORKER_SERVICE)]
 
     async def _router_stub(self) -> router_pb2_grpc.RouterServiceStub:
         return (await self.router())[1]
