@@ -429,8 +429,7 @@ class Executor:
                         if target is None:
                             target = await self.caller.pick(req, tuple(exclude))
                         self.sink.node_started(path, target.worker_id, attempt)
-                        if not calling.is_set():
-                            _later(calling.set)  # consumers pick ahead once this call is out
+                        calling.set()  # consumers pick ahead while this call runs
                         async with asyncio.timeout(req.timeout_s):
                             result = await self.caller.invoke(target, req, on_chunk)
                     finally:
