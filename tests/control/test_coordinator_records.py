@@ -1,0 +1,73 @@
+"""What the coordinator's cheaper hot path must keep: the run record and every event are in
+Redis before a client sees RunFinished; the active entry exists once SubmitRun returns; a
+cached graph never hides a newer version. Real router, coordinator and echo TEST worker
+processes on a private Redis."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
+from omniflow.client import Client
+from omniflow.dsl import VType, Workflow, register_operation
+from omniflow.localredis import RedisProcess
+
+pytestmark = pytest.mark.integration
+
+register_operation("echo", "noop", {"text": VType.TEXT}, {"text": VType.TEXT})
+register_operation("echo", "upper", {"text": VType.TEXT}, {"text": VType.TEXT})
+
+
+def chain(name: str, op: str, hops: int) -> Workflow:
+    wf = Workflow(name)
+    value = wf.input("text", VType.TEXT)
+    for i in range(hops):
+        value = wf.call(f"n{i}", "echo", op, text=value)["text"]
+    wf.output("text", value)
+    return wf
+
+
+async def test_run_is_recorded_before_run_finished_is_seen(cluster, redis_proc: RedisProcess):
+    procs = cluster({"echo": 1})
+    db = aioredis.from_url(redis_proc.url)
+    try:
+        async with Client(procs["coordinator"].address) as client:
+            await client.register(chain("recorded", "noop", 4))
+            for _ in range(20):
+                seen = []
+                async for ev in client.stream("recorded", {"text": "x"}):
+                    seen.append(ev)
+                    if ev.HasField("run_finished"):
+                        break
+                run_id = seen[-1].run_id
+                # Read Redis directly, at once: no waiting for a background flush.
+                raw = await db.get(f"omniflow:run:{run_id}")
+                assert raw is not None
+                run = cpb.Run.FromString(raw)
+                assert run.state == cpb.RUN_STATE_SUCCEEDED
+                assert [n.state for n in run.nodes] == [cpb.RUN_STATE_SUCCEEDED] * 4
+                stored = await db.lrange(f"omniflow:run:{run_id}:events", 0, -1)
+                assert [cpb.RunEvent.FromString(e) for e in stored] == seen
+                assert not await db.hexists("omniflow:runs:active", run_id)
+                assert await db.ttl(f"omniflow:run:{run_id}") > 0
+
+            # SubmitRun returns once the run is in the active set (or already finished).
+            run_id = await client.submit("recorded", {"text": "y"})
+            active = await db.hexists("omniflow:runs:active", run_id)
+            assert active or await db.exists(f"omniflow:run:{run_id}")
+    finally:
+        await db.aclose()
+
+
+async def test_latest_version_is_never_hidden_by_the_graph_cache(cluster):
+    procs = cluster({"echo": 1})
+    async with Client(procs["coordinator"].address) as client:
+        assert await client.register(chain("versions", "noop", 2)) == 1
+        first = await client.run("versions", {"text": "abc"})
+        assert first.outputs == {"text": "abc"}
+        assert await client.register(chain("versions", "upper", 2)) == 2
+        second = await client.run("versions", {"text": "abc"})
+        assert second.outputs == {"text": "ABC"}
+        pinned = await client.run("versions", {"text": "abc"}, version=1)
+        assert pinned.outputs == {"text": "abc"}
