@@ -5,6 +5,8 @@ processes on a private Redis."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import redis.asyncio as aioredis
 
@@ -12,6 +14,7 @@ from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.client import Client
 from omniflow.dsl import VType, Workflow, register_operation
 from omniflow.localredis import RedisProcess
+from omniflow_services.coordinator.runs import LiveRun, RunManager
 
 pytestmark = pytest.mark.integration
 
@@ -71,3 +74,32 @@ async def test_latest_version_is_never_hidden_by_the_graph_cache(cluster):
         assert second.outputs == {"text": "ABC"}
         pinned = await client.run("versions", {"text": "abc"}, version=1)
         assert pinned.outputs == {"text": "abc"}
+
+
+async def test_a_large_flush_and_the_final_one(redis_server: RedisProcess):
+    """Thousands of events in one flush (the write script appends them in slices), then
+    the final write: RunFinished last, both keys expiring, the run out of the active set."""
+    db = aioredis.from_url(redis_server.url)
+    run_id = uuid.uuid4().hex
+    key = f"omniflow:run:{run_id}"
+    try:
+        manager = RunManager(db, caller=None, owner_id="test", run_ttl_s=60)  # type: ignore[arg-type]
+        live = LiveRun(cpb.Run(run_id=run_id, state=cpb.RUN_STATE_RUNNING))
+        await db.hset("omniflow:runs:active", run_id, "test")
+        for i in range(5000):
+            live.emit(node_started=cpb.NodeStarted(node=f"each[{i}]/n"))
+        await manager._flush(live)
+        assert await db.llen(f"{key}:events") == 5000 and await db.ttl(key) == -1
+        live.run.state = cpb.RUN_STATE_SUCCEEDED
+        finished = live.event(run_finished=cpb.RunFinished(state=cpb.RUN_STATE_SUCCEEDED))
+        await manager._flush(live, finished)
+        stored = await db.lrange(f"{key}:events", -2, -1)
+        assert [cpb.RunEvent.FromString(e).seq for e in stored] == [5000, 5001]
+        assert cpb.RunEvent.FromString(stored[-1]).HasField("run_finished")
+        assert cpb.Run.FromString(await db.get(key)).state == cpb.RUN_STATE_SUCCEEDED
+        assert 0 < await db.ttl(key) <= 60 and 0 < await db.ttl(f"{key}:events") <= 60
+        assert not await db.hexists("omniflow:runs:active", run_id)
+    finally:
+        await db.delete(key, f"{key}:events")
+        await db.hdel("omniflow:runs:active", run_id)
+        await db.aclose()
