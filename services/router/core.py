@@ -4,11 +4,16 @@ Fed by a discovery watch and by outcomes; no gRPC here. Load per worker is the l
 of the calls the router knows are outstanding on it (picks not yet reported, proxied
 calls in flight) and the queue the worker last reported through ``GetLoad``.
 
-``kv_aware``: the cost of a worker is the prefill work it would still have to do —
-prompt blocks minus the blocks it can reach, credited 1.0 in its own device pool, 0.75
-in its node's host tier and 0.25 on its node's SSD — plus ``load_weight`` blocks per
-outstanding request. With a temperature above 0 the pick samples from
-``softmax(-cost / temperature)``, spreading load among near-equal workers.
+``kv_aware``: the cost of a worker estimates, in prompt blocks of prefill, how long the
+request would wait for its first token there: the prefill it would still have to do
+(prompt blocks minus the blocks it can reach, credited 1.0 in its own device pool, 0.75
+in its node's host tier and 0.25 on its node's SSD), plus the prefill the router already
+queued on that worker (the uncached blocks of its outstanding kv_aware picks), plus
+``load_weight`` blocks per outstanding request (its share of every step while it
+decodes). Both load terms are in the same unit as the prefill, so a long prompt is not
+swamped by a count of requests, nor a count of requests by a long prompt. With a
+temperature above 0 the pick samples from ``softmax(-cost / temperature)``, spreading
+load among near-equal workers.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class PickResult:
     reachable_blocks: int = 0
     cost: float = 0.0
     fallback_reason: str = ""
+    #: kv_aware: blocks the worker must prefill for this call; pass it to ``begin``.
+    prefill_blocks: float = 0.0
 
 
 class CircuitBreaker:
@@ -108,6 +115,7 @@ class _Live:
     record: WorkerRecord
     weight: float
     outstanding: dict[int, float] = field(default_factory=dict)  # ticket -> pick time
+    queued: dict[int, float] = field(default_factory=dict)  # ticket -> prefill blocks
     reported_queue: int = 0
     healthy: bool = True
     breaker: CircuitBreaker | None = None
@@ -152,6 +160,7 @@ class WorkerTable:
             )
             if old is not None and old.record.address == w.address:
                 live.outstanding, live.breaker = old.outstanding, old.breaker
+                live.queued = old.queued
                 live.reported_queue, live.healthy = old.reported_queue, old.healthy
             fresh[w.worker_id] = live
         self._workers = fresh
@@ -192,14 +201,29 @@ class WorkerTable:
             # Picks never reported (a caller that died) stop counting after a while.
             for ticket in [t for t, at in live.outstanding.items() if at < cutoff]:
                 del live.outstanding[ticket]
+                live.queued.pop(ticket, None)
         return max(len(live.outstanding), live.reported_queue)
 
-    def begin(self, worker_id: str) -> int:
-        """Count a call as outstanding on the worker; returns a ticket for ``finish``."""
+    def queued_blocks(self, worker_id: str) -> float:
+        """Prefill blocks of the calls outstanding on the worker (as estimated at pick)."""
+        live = self._workers.get(worker_id)
+        if live is None or not live.queued:
+            return 0.0
+        self.load(worker_id)  # drops expired tickets
+        return sum(live.queued.values())
+
+    def begin(self, worker_id: str, prefill_blocks: float = 0.0) -> int:
+        """Count a call as outstanding on the worker; returns a ticket for ``finish``.
+
+        ``prefill_blocks``: the prefill the call brings (``PickResult.prefill_blocks``),
+        queued work that kv_aware weighs until the call finishes.
+        """
         ticket = next(self._tickets)
         live = self._workers.get(worker_id)
         if live is not None:
             live.outstanding[ticket] = time.monotonic()
+            if prefill_blocks > 0:
+                live.queued[ticket] = prefill_blocks
         return ticket
 
     def finish(self, worker_id: str, ticket: int | None, success: bool, code: str = "") -> None:
@@ -208,10 +232,11 @@ class WorkerTable:
         live = self._workers.get(worker_id)
         if live is None:
             return
+        if ticket is None and live.outstanding:
+            ticket = min(live.outstanding)  # no ticket: the oldest call is the likeliest done
         if ticket is not None:
             live.outstanding.pop(ticket, None)
-        elif live.outstanding:
-            del live.outstanding[min(live.outstanding)]
+            live.queued.pop(ticket, None)
         if not success and code in NEUTRAL_CODES:
             return
         assert live.breaker is not None
@@ -281,6 +306,7 @@ class WorkerTable:
                 result.reachable_blocks,
                 result.cost,
                 fallback_reason,
+                result.prefill_blocks,
             )
         live = self._workers[result.worker.worker_id]
         assert live.breaker is not None
@@ -371,6 +397,19 @@ class WorkerTable:
             credit += extra * (share * CREDIT_HOST + (1 - share) * CREDIT_SSD)
         return credit, max(device, agent_blocks)
 
+    def kv_costs(
+        self, cands: list[_Live], reach: list[Reach], prompt_blocks: int, load_weight: float
+    ) -> list[tuple[float, float, int, _Live]]:
+        """(cost, prefill blocks, reachable blocks, worker) per candidate; see the module."""
+        out = []
+        for v in cands:
+            wid = v.record.worker_id
+            credit, reachable = self.reachable(v.record, reach)
+            prefill = max(prompt_blocks - credit, 0.0)
+            cost = prefill + self.queued_blocks(wid) + load_weight * self.load(wid)
+            out.append((cost, prefill, reachable, v))
+        return out
+
     def _kv_aware(
         self,
         cands: list[_Live],
@@ -379,18 +418,13 @@ class WorkerTable:
         temperature: float,
         load_weight: float,
     ) -> PickResult:
-        costs: list[tuple[float, int, _Live]] = []
-        for v in cands:
-            credit, reachable = self.reachable(v.record, reach or [])
-            prefill = max(prompt_blocks - credit, 0.0)
-            costs.append((prefill + load_weight * self.load(v.record.worker_id), reachable, v))
+        costs = self.kv_costs(cands, reach or [], prompt_blocks, load_weight)
+        low = min(c[0] for c in costs)
         if temperature > 0 and len(costs) > 1:
-            low = min(c for c, _, _ in costs)
-            weights = [math.exp(-(c - low) / temperature) for c, _, _ in costs]
-            cost, reachable, best = self._rng.choices(costs, weights=weights)[0]
+            weights = [math.exp(-(c[0] - low) / temperature) for c in costs]
+            cost, prefill, reachable, best = self._rng.choices(costs, weights=weights)[0]
         else:
-            low = min(c for c, _, _ in costs)
             ties = [c for c in costs if c[0] <= low + 1e-9]
-            cost, reachable, best = ties[self._rng.randrange(len(ties))]
+            cost, prefill, reachable, best = ties[self._rng.randrange(len(ties))]
         reason = "" if reach is not None else "kv index did not answer: load only"
-        return PickResult(best.record, "kv_aware", reachable, cost, reason)
+        return PickResult(best.record, "kv_aware", reachable, cost, reason, prefill)

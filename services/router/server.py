@@ -62,7 +62,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             hashes=list(request.block_hashes),
             temperature=request.temperature,
         )
-        self.app.table.begin(result.worker.worker_id)
+        self.app.table.begin(result.worker.worker_id, result.prefill_blocks)
         return router_pb2.PickResponse(
             worker=worker_info(result.worker),
             strategy=strategy_value(result.strategy),  # type: ignore[arg-type]

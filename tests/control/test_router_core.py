@@ -111,6 +111,38 @@ def test_kv_aware_weighs_load_and_falls_back_to_load_only():
     assert r.fallback_reason == "kv index timed out" and r.worker.worker_id != "w1"
 
 
+def test_kv_aware_weighs_prefill_already_queued_on_a_worker():
+    t = _table()
+    reach = [Reach("w1", "worker", "node1", "127.0.0.1:9001", 8, (8, 0, 0))]
+    r = t.pick("llm", "kv_aware", reach=reach, prompt_blocks=10)
+    assert (r.worker.worker_id, r.cost, r.prefill_blocks) == ("w1", 2.0, 2.0)
+    big = t.begin("w1", 30.0)  # a long prefill the router sent to w1, not finished yet
+    t.begin("w2")  # one call on w2 that brings no prefill
+    assert t.queued_blocks("w1") == 30.0 and t.queued_blocks("w2") == 0.0
+    # w1: 2 to prefill + 30 queued + 1 call = 33; w0: 10 + 0 + 0; w2: 10 + 0 + 1.
+    r = t.pick("llm", "kv_aware", reach=reach, prompt_blocks=10)
+    assert (r.worker.worker_id, r.cost, r.prefill_blocks) == ("w0", 10.0, 10.0)
+    t.finish("w1", big, True)
+    assert t.queued_blocks("w1") == 0.0
+    assert t.pick("llm", "kv_aware", reach=reach, prompt_blocks=10).worker.worker_id == "w1"
+
+
+def test_kv_aware_load_is_in_blocks_so_a_long_cached_prompt_still_moves():
+    t = _table()
+    reach = [Reach("w1", "worker", "node1", "127.0.0.1:9001", 90, (90, 0, 0))]
+    t.begin("w1", 80.0)
+    t.begin("w1", 80.0)
+    t.begin("w2", 1.0)
+    # Counting calls only, w1 would cost 10 + 2 and win; its queued prefill makes it
+    # 10 + 160 + 2 = 172, against 100 on idle w0 (w2: 100 + 1 + 1).
+    r = t.pick("llm", "kv_aware", reach=reach, prompt_blocks=100)
+    assert (r.worker.worker_id, r.cost) == ("w0", 100.0)
+    t.finish("w1", None, True)  # no ticket: the oldest call ends, with its queued prefill
+    assert t.queued_blocks("w1") == 80.0 and t.load("w1") == 1
+    r = t.pick("llm", "kv_aware", reach=reach, prompt_blocks=100)
+    assert (r.worker.worker_id, r.cost) == ("w1", 91.0)
+
+
 def test_kv_aware_temperature_spreads_near_equal_workers():
     t = _table()
     cold = collections.Counter(_ids(t, "kv_aware", 200, reach=[], prompt_blocks=4))
