@@ -29,7 +29,7 @@ from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
 from omniflow.values import from_python, to_python
-from omniflow_services.coordinator.engine import CallRequest, ChunkSink, Target
+from omniflow_services.coordinator.calls import CallRequest, ChunkSink, Target
 from omniflow_services.coordinator.kvhints import KVHinter
 
 log = logging.getLogger(__name__)

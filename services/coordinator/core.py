@@ -52,6 +52,7 @@ class WorkflowCatalogue:
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
         self._graphs: dict[tuple[str, int], cpb.WorkflowGraph] = {}
+        self._latest: dict[str, int] = {}  # the latest version this catalogue has seen
 
     def _remember(self, graph: cpb.WorkflowGraph) -> None:
         if len(self._graphs) >= GRAPH_CACHE_SIZE:
@@ -92,7 +93,14 @@ class WorkflowCatalogue:
             summary,
         )
         self._remember(stored)
+        self._latest[graph.name] = max(version, self._latest.get(graph.name, 0))
         return version
+
+    def guess(self, name: str) -> cpb.WorkflowGraph | None:
+        """The latest version of ``name`` this catalogue has seen, if it has the graph: a
+        guess to start work on while ``get`` checks with Redis."""
+        version = self._latest.get(name)
+        return None if version is None else self._graphs.get((name, version))
 
     async def get(self, name: str, version: int = 0) -> cpb.WorkflowGraph:
         """A registered graph (``version`` 0: the latest); raises NotFound naming it.
@@ -108,6 +116,7 @@ class WorkflowCatalogue:
                     f"unknown workflow {name!r}; registered: {', '.join(known) or 'none'}"
                 )
             version = int(json.loads(raw)["latest_version"])
+            self._latest[name] = version
         graph = self._graphs.get((name, version))
         if graph is not None:
             return graph

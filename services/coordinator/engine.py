@@ -26,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from opentelemetry import trace
 
@@ -37,72 +37,36 @@ from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.dsl.validate import LOOP_ITERATION_INPUT
 from omniflow.errors import DeadlineExceeded, OmniflowError
 from omniflow.values import to_python
+from omniflow_services.coordinator.calls import (
+    PICK_AHEAD_MAX_AGE_S,
+    CallRequest,
+    ChunkSink,
+    PickAhead,
+    RunSink,
+    Target,
+    WorkerCaller,
+    pick_entries,
+    release_picks,
+)
+
+__all__ = [
+    "CallRequest",
+    "ChunkSink",
+    "Executor",
+    "NodeFailed",
+    "NodeLimits",
+    "PickAhead",
+    "RunSink",
+    "Target",
+    "WorkerCaller",
+    "evaluate",
+    "pick_entries",
+    "release_picks",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_ON = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
-
-ChunkSink = Callable[[str, Any], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True)
-class CallRequest:
-    """One call of an operation, as the engine hands it to a WorkerCaller."""
-
-    request_id: str
-    role: str
-    operation: str
-    inputs: dict[str, Any]
-    params: dict[str, Any]
-    strategy: int = 0  # router.v1.Strategy value; 0: the role's default
-    session_key: str = ""
-    timeout_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """A worker picked for a call."""
-
-    worker_id: str
-    address: str
-
-
-class WorkerCaller(Protocol):
-    """How the engine reaches workers. Errors are domain errors (their ``code_name``
-    decides retries)."""
-
-    async def pick(self, req: CallRequest, exclude: tuple[str, ...]) -> Target: ...
-
-    async def invoke(
-        self, target: Target, req: CallRequest, on_chunk: ChunkSink | None
-    ) -> dict[str, Any]: ...
-
-    async def report(self, target: Target, ok: bool, latency_ms: float, code: str) -> None: ...
-
-    def pick_reads(self, role: str, operation: str, strategy: int) -> tuple[str, ...]:
-        """Inputs whose values ``pick`` reads for such a call (e.g. the prompt, for KV
-        hints): the engine picks ahead only when they are known before the call."""
-        ...
-
-
-class RunSink(Protocol):
-    """Receives the run's progress (the run manager turns it into RunEvents)."""
-
-    def node_started(self, path: str, worker_id: str, attempt: int) -> None: ...
-
-    def node_output(self, path: str, output: str, chunk: Any) -> None: ...
-
-    def node_finished(self, path: str, state: int, error: str, duration_ms: float) -> None: ...
-
-
-# A worker picked ahead is used only if the pick is this recent (load changes).
-PICK_AHEAD_MAX_AGE_S = 0.1
-
-
-@dataclass(slots=True)
-class _Ahead:
-    task: asyncio.Future[Target]
-    at: float
 
 
 class NodeFailed(OmniflowError):
@@ -252,9 +216,11 @@ class Executor:
         run_id: str,
         limits: NodeLimits,
         deadline: float | None = None,
+        early: dict[str, PickAhead] | None = None,
     ) -> None:
         self.caller, self.sink, self.run_id = caller, sink, run_id
         self.limits = limits
+        self.early = early or {}  # picks made before the run started (``pick_entries``)
         self.deadline = deadline  # loop time
         self._seq = 0
 
@@ -285,7 +251,8 @@ class Executor:
             kind = node.WhichOneof("kind")
             ahead = None
             if kind == "call" and not streaming:
-                ahead = await self._pick_ahead(scope, node)
+                ahead = self.early.pop(node.name, None) if not scope.prefix else None
+                ahead = ahead or await self._pick_ahead(scope, node)
             values = dict(zip(plain, [await scope.resolve(s) for s in plain.values()], strict=True))
             started = time.perf_counter()
             if kind == "call" and streaming:
@@ -335,7 +302,7 @@ class Executor:
         options = [t for t in (left, per_node) if t is not None]
         return max(min(options), 0.0) if options else None
 
-    async def _pick_ahead(self, scope: _Scope, node: cpb.Node) -> _Ahead | None:
+    async def _pick_ahead(self, scope: _Scope, node: cpb.Node) -> PickAhead | None:
         """Pick this node's worker while its producer runs, so that a hop costs one RPC
         on the critical path instead of two. Not when the pick depends on a value the
         run has yet to produce (a session key from a node output)."""
@@ -363,9 +330,9 @@ class Executor:
             "", spec.role, spec.operation, inputs, {}, spec.strategy, session, self._timeout(node)
         )
         loop = asyncio.get_running_loop()
-        return _Ahead(asyncio.ensure_future(self.caller.pick(req, ())), loop.time())
+        return PickAhead(asyncio.ensure_future(self.caller.pick(req, ())), loop.time())
 
-    async def _take_ahead(self, ahead: _Ahead | None) -> Target | None:
+    async def _take_ahead(self, ahead: PickAhead | None) -> Target | None:
         """The picked-ahead worker if the pick is fresh and succeeded; else None (and a
         stale pick is released so that the router does not count it as outstanding)."""
         if ahead is None:
@@ -385,7 +352,7 @@ class Executor:
         node: cpb.Node,
         path: str,
         values: dict[str, Any],
-        ahead: _Ahead | None = None,
+        ahead: PickAhead | None = None,
     ) -> dict[str, Any]:
         spec = node.call
         session = values.get(spec.session_key_input) if spec.session_key_input else ""

@@ -38,12 +38,17 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from omniflow.values import VType, check_type, from_python, to_python
+from omniflow_services.coordinator.calls import (
+    PickAhead,
+    WorkerCaller,
+    pick_entries,
+    release_picks,
+)
 from omniflow_services.coordinator.core import WorkflowCatalogue
 from omniflow_services.coordinator.engine import (
     Executor,
     NodeFailed,
     NodeLimits,
-    WorkerCaller,
     current_trace_id,
 )
 
@@ -172,6 +177,7 @@ class RunManager:
         self.limits: dict[str, NodeLimits] = {}
         self._background: list[asyncio.Task[None]] = []
         self._write = redis.register_script(_WRITE)
+        self._releases: set[asyncio.Task[None]] = set()
 
     # -- lifecycle
     async def start(self) -> int:
@@ -323,34 +329,35 @@ class RunManager:
             raise ResourceExhausted(
                 f"{len(self.live)} runs in progress, the limit is {self.max_runs}; retry later"
             )
-        graph = await self.catalogue.get(workflow, version)
-        values = self._check_inputs(graph, inputs)
-        run_id = run_id or uuid.uuid4().hex
-        deadline_ms = deadline_ms or graph.default_deadline_ms
-        if run_id in self.live:
-            return run_id  # the same id submitted twice at once
-        run = cpb.Run(
-            run_id=run_id,
-            workflow=graph.name,
-            version=graph.version,
-            state=cpb.RUN_STATE_RUNNING,
-            inputs=dict(inputs),
-            created_unix_ms=_now_ms(),
-        )
-        span = telemetry.tracer().start_span(f"run {graph.name}")
-        span.set_attribute("omniflow.run_id", run_id)
-        with trace.use_span(span, end_on_exit=False):
-            run.trace_id = current_trace_id()
-            live = LiveRun(run)
-            self.live[run_id] = live
-            # The run starts while its active entry is written (the first Pick overlaps the
-            # Redis round trip); the id goes back only once the entry is in Redis, so that
-            # a run a client knows of is always accounted for after a crash.
-            live.registered = asyncio.ensure_future(
-                self.redis.hset(ACTIVE_KEY, run_id, self.owner_id)
-            )
-            # The task inherits this context: every node call is a child of the run span.
-            live.task = asyncio.create_task(self._execute(live, graph, values, deadline_ms, span))
+        span = telemetry.tracer().start_span(f"run {workflow}")
+        early: dict[str, PickAhead] = {}
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                guess = self.catalogue.guess(workflow) if version == 0 else None
+                if guess is not None:
+                    # The version is most likely the one seen last: its first picks go out
+                    # while Redis says which version is the latest.
+                    with contextlib.suppress(InvalidArgument):
+                        early = pick_entries(
+                            self.caller, list(guess.nodes), self._check_inputs(guess, inputs)
+                        )
+                graph = await self.catalogue.get(workflow, version)
+                if early and graph is not guess:
+                    self._release(early)
+                    early = {}
+                values = self._check_inputs(graph, inputs)
+                run_id = run_id or uuid.uuid4().hex
+                if run_id in self.live:
+                    self._release(early)
+                    span.end()
+                    return run_id  # the same id submitted twice at once
+                live = self._start(graph, inputs, values, deadline_ms, run_id, span, early)
+        except BaseException as exc:
+            self._release(early)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+            span.end()
+            raise
+        assert live.registered is not None and live.task is not None
         try:
             await asyncio.shield(live.registered)
         except Exception as exc:
@@ -359,6 +366,46 @@ class RunManager:
             raise Unavailable(f"run {run_id} not started: Redis does not answer ({exc})") from exc
         return run_id
 
+    def _start(
+        self,
+        graph: cpb.WorkflowGraph,
+        inputs: Mapping[str, common_pb2.Value],
+        values: dict[str, Any],
+        deadline_ms: int,
+        run_id: str,
+        span: trace.Span,
+        early: dict[str, PickAhead],
+    ) -> LiveRun:
+        """Register and start a run (called inside its span's context)."""
+        run = cpb.Run(
+            run_id=run_id,
+            workflow=graph.name,
+            version=graph.version,
+            state=cpb.RUN_STATE_RUNNING,
+            inputs=dict(inputs),
+            created_unix_ms=_now_ms(),
+        )
+        span.set_attribute("omniflow.run_id", run_id)
+        run.trace_id = current_trace_id()
+        live = LiveRun(run)
+        self.live[run_id] = live
+        # The run starts while its active entry is written (its first Pick overlaps the
+        # Redis round trip); submit returns the id only once the entry is in Redis, so
+        # that a run a client knows of is always accounted for after a crash.
+        live.registered = asyncio.ensure_future(self.redis.hset(ACTIVE_KEY, run_id, self.owner_id))
+        # The task inherits this context: every node call is a child of the run span.
+        deadline_ms = deadline_ms or graph.default_deadline_ms
+        live.task = asyncio.create_task(
+            self._execute(live, graph, values, deadline_ms, span, early)
+        )
+        return live
+
+    def _release(self, early: dict[str, PickAhead]) -> None:
+        if early:
+            task = asyncio.create_task(release_picks(self.caller, early))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
     async def _execute(
         self,
         live: LiveRun,
@@ -366,11 +413,12 @@ class RunManager:
         values: dict[str, Any],
         deadline_ms: int,
         span: trace.Span,
+        early: dict[str, PickAhead],
     ) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + deadline_ms / 1000 if deadline_ms else None
         limits = self.limits.setdefault(f"{graph.name}:{graph.version}", NodeLimits())
-        executor = Executor(self.caller, live, live.run.run_id, limits, deadline)
+        executor = Executor(self.caller, live, live.run.run_id, limits, deadline, early)
         state, error, outputs = cpb.RUN_STATE_SUCCEEDED, "", {}
         try:
             async with asyncio.timeout_at(deadline):
@@ -387,6 +435,7 @@ class RunManager:
         except Exception as exc:  # a bug: the run fails with it rather than hanging
             log.exception("run %s", live.run.run_id)
             state, error = cpb.RUN_STATE_FAILED, f"internal error: {exc!r}"
+        self._release(executor.early)  # picks of nodes that never ran (a switch, a failure)
         for ns in live.nodes.values():
             if ns.state == cpb.RUN_STATE_RUNNING:
                 ns.state, ns.finished_unix_ms = cpb.RUN_STATE_CANCELLED, _now_ms()
