@@ -72,23 +72,33 @@ def test_prefix_reuse_and_the_last_token_recomputed():
     assert e.hit_tokens == 95 and e.prompt_tokens == 64 + 64 + 70
 
 
-def test_lru_evicts_the_least_recently_used_and_reports_it():
+def _serve(e: EchoEngine, tag: int, blocks: int) -> None:
+    e.submit(blocks * 16, _hashes(tag, blocks), max_new=1)
+    while (p := e.plan()) is not None:
+        e.apply(p)
+
+
+def test_lru_evicts_the_least_recently_used_chain_tail_first_and_reports_it():
     events: list[tuple[list[bytes], list[bytes]]] = []
     e = EchoEngine(
         MODEL, cache_blocks=4, page_size=16, on_blocks=lambda s, v: events.append((s, v))
     )
-    for tag in (1, 2):
-        e.submit(32, _hashes(tag, 2), max_new=1)
-        while (p := e.plan()) is not None:
-            e.apply(p)
-    e.submit(32, _hashes(1, 2), max_new=1)  # touches tag 1: tag 2 is now the oldest
-    while (p := e.plan()) is not None:
-        e.apply(p)
-    e.submit(32, _hashes(3, 2), max_new=1)
-    while (p := e.plan()) is not None:
-        e.apply(p)
-    assert events[-1] == (_hashes(3, 2), _hashes(2, 2))
-    assert list(e.cache.blocks) == [*_hashes(1, 2), *_hashes(3, 2)]
+    _serve(e, 1, 2)
+    _serve(e, 2, 2)
+    _serve(e, 1, 2)  # touches tag 1: tag 2 is now the oldest
+    _serve(e, 3, 2)
+    a, b, c = _hashes(1, 2), _hashes(2, 2), _hashes(3, 2)
+    assert events[-1] == (c, [b[1], b[0]])  # the tail of the chain goes before its head
+    assert list(e.cache.blocks) == [a[1], a[0], c[1], c[0]]
+
+
+def test_a_chain_longer_than_the_cache_keeps_its_head():
+    e = EchoEngine(MODEL, cache_blocks=3, page_size=16)
+    _serve(e, 1, 4)
+    assert set(e.cache.blocks) == set(_hashes(1, 3))
+    r = e.submit(64, _hashes(1, 4), max_new=1)
+    e.plan()
+    assert r.cached == 48  # a head-first LRU would have kept blocks 1-3: no reuse at all
 
 
 def test_cancel_frees_the_batch_and_max_running_holds_the_rest():

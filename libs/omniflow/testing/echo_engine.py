@@ -10,7 +10,10 @@ locality and load cost time the way they do in a real one:
   tokens of every request batched with it;
 - a request's first token comes at the end of the step that finishes its prefill;
 - the prefix cache holds ``capacity`` blocks (full pages, keyed by the project's block
-  hashes), evicted least recently used. A request reuses the leading blocks cached when
+  hashes), evicted least recently used, the tail of a chain before its head (as vLLM
+  frees a request's blocks in reverse and a radix cache evicts leaves first): a chain
+  only counts from its first block, so an LRU that dropped heads first would keep
+  tails nobody can reuse. A request reuses the leading blocks cached when
   it is admitted; its own blocks enter the cache as the prefill computes them, so a
   request arriving while an identical prefix is still being computed does not reuse it.
 
@@ -75,25 +78,28 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    def _touch(self, chain: list[bytes]) -> None:
+        for h in reversed(chain):  # the head ends most recent: tails go first
+            self.blocks.move_to_end(h)
+
     def match(self, hashes: list[bytes]) -> int:
         """Leading blocks present; marks them used."""
         n = 0
         for h in hashes:
             if h not in self.blocks:
                 break
-            self.blocks.move_to_end(h)
             n += 1
+        self._touch(hashes[:n])
         return n
 
-    def insert(self, hashes: list[bytes]) -> tuple[list[bytes], list[bytes]]:
-        """(newly stored, evicted) — a block already present is only marked used."""
+    def insert(self, chain: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """Cache a request's leading ``chain`` of blocks; (newly stored, evicted)."""
         stored = []
-        for h in hashes:
-            if h in self.blocks:
-                self.blocks.move_to_end(h)
-            else:
+        for h in chain:
+            if h not in self.blocks:
                 self.blocks[h] = None
                 stored.append(h)
+        self._touch(chain)
         evicted = []
         while len(self.blocks) > self.capacity:
             evicted.append(self.blocks.popitem(last=False)[0])
@@ -103,7 +109,7 @@ class PrefixCache:
         self.blocks.clear()
 
 
-# Called with (stored, evicted) block hashes after each step that changed the cache.
+# Called with (stored, evicted) block hashes, in order, each time the cache changed.
 BlockListener = Callable[[list[bytes], list[bytes]], None]
 
 
@@ -182,7 +188,6 @@ class EchoEngine:
         self.steps += 1
         self.busy_s += plan.seconds
         page = self.page_size
-        new_blocks: list[bytes] = []
         emit = [r for r in plan.decode if r in self.running]
         for r, n in plan.prefill:
             if r not in self.running:
@@ -190,7 +195,10 @@ class EchoEngine:
             before = r.computed // page
             r.computed += n
             self.computed_tokens += n
-            new_blocks.extend(r.hashes[before : min(r.computed // page, len(r.hashes))])
+            if r.computed // page > before:
+                stored, evicted = self.cache.insert(r.hashes[: r.computed // page])
+                if self.on_blocks is not None and (stored or evicted):
+                    self.on_blocks(stored, evicted)
             if not r.in_prefill:
                 emit.append(r)  # the first token ends the prefill
         for r in emit:
@@ -199,10 +207,6 @@ class EchoEngine:
             if r.produced >= r.max_new:
                 self.running.remove(r)
                 r.tokens.put_nowait(None)
-        if new_blocks:
-            stored, evicted = self.cache.insert(new_blocks)
-            if self.on_blocks is not None and (stored or evicted):
-                self.on_blocks(stored, evicted)
 
     def clear_cache(self) -> None:
         """Drop every cached block (the worker tells the index itself)."""
