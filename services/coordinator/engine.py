@@ -152,6 +152,17 @@ class NodeLimits:
 
     semaphores: dict[str, asyncio.Semaphore] = field(default_factory=dict)
     plans: dict[str, _Plan] = field(default_factory=dict)
+    # Recent duration of each call node (seconds, moving average): a consumer of a node
+    # slower than PICK_AHEAD_MAX_AGE_S does not pick ahead (the pick would go stale).
+    durations: dict[str, float] = field(default_factory=dict)
+
+    def took(self, path: str, seconds: float) -> None:
+        key = _strip_indices(path)
+        last = self.durations.get(key)
+        self.durations[key] = seconds if last is None else 0.7 * last + 0.3 * seconds
+
+    def slow(self, path: str) -> bool:
+        return self.durations.get(_strip_indices(path), 0.0) > PICK_AHEAD_MAX_AGE_S
 
     def get(self, key: str, limit: int) -> asyncio.Semaphore | None:
         if limit <= 0:
@@ -307,7 +318,7 @@ class Executor:
         on the critical path instead of two. Not when the pick depends on a value the
         run has yet to produce (a session key from a node output)."""
         producers = {s.node_output.node for s in node.inputs.values() if s.HasField("node_output")}
-        if not producers:
+        if not producers or any(self.limits.slow(scope.prefix + p) for p in producers):
             return None
         spec = node.call
         key_src = node.inputs.get(spec.session_key_input) if spec.session_key_input else None
@@ -410,6 +421,7 @@ class Executor:
                     error = exc
                 else:
                     elapsed = (time.perf_counter() - started) * 1e3
+                    self.limits.took(path, elapsed / 1e3)
                     await self.caller.report(target, True, elapsed, "")
                     for (_, output), stream in outs.items():
                         if not stream.chunks and output in result:

@@ -106,8 +106,11 @@ class LiveRun:
         seq = len(self.events) + 1
         return cpb.RunEvent(run_id=self.run.run_id, seq=seq, unix_ms=_now_ms(), **event)
 
-    def publish(self, ev: cpb.RunEvent) -> None:
+    def publish(self, ev: cpb.RunEvent, at_once: bool = False) -> None:
         self.events.append(ev)
+        if at_once:
+            self.changed.set()  # the last event: nothing of the run left to go first
+            return
         # Listeners wake behind what the loop already has queued (a 0 s timer: the next
         # node's worker call goes out before the event does); nobody listening: no work.
         if self.listeners and not self._wake_pending:
@@ -459,7 +462,7 @@ class RunManager:
         except Exception as exc:
             log.error("could not record run %s: %s", run.run_id, exc)
         finally:
-            live.publish(finished)
+            live.publish(finished, at_once=True)
             self.live.pop(run.run_id, None)
 
     async def _final_flush(self, live: LiveRun, finished: cpb.RunEvent) -> None:

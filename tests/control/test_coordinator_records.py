@@ -11,15 +11,28 @@ import pytest
 import redis.asyncio as aioredis
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
+from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.client import Client
 from omniflow.dsl import VType, Workflow, register_operation
 from omniflow.localredis import RedisProcess
+from omniflow.rpc.client import open_channel
 from omniflow_services.coordinator.runs import LiveRun, RunManager
 
 pytestmark = pytest.mark.integration
 
 register_operation("echo", "noop", {"text": VType.TEXT}, {"text": VType.TEXT})
 register_operation("echo", "upper", {"text": VType.TEXT}, {"text": VType.TEXT})
+register_operation(
+    "echo", "sleep", {"ms": VType.INT}, {"slept_ms": VType.FLOAT, "worker": VType.TEXT}
+)
+
+
+async def picks_made(router: str) -> int:
+    async with open_channel(router) as channel:
+        stats = await router_pb2_grpc.RouterServiceStub(channel).GetStats(
+            router_pb2.GetStatsRequest()
+        )
+    return sum(n for name, n in stats.counters.items() if name.startswith("pick_"))
 
 
 def chain(name: str, op: str, hops: int) -> Workflow:
@@ -103,3 +116,23 @@ async def test_a_large_flush_and_the_final_one(redis_server: RedisProcess):
         await db.delete(key, f"{key}:events")
         await db.hdel("omniflow:runs:active", run_id)
         await db.aclose()
+
+
+async def test_no_pick_ahead_behind_a_slow_producer(cluster):
+    """A pick made while a slow producer runs would be stale when used (and made again):
+    once the coordinator has seen the producer take longer than that, its consumers pick
+    when their inputs arrive, one Pick per call."""
+    procs = cluster({"echo": 1})
+    wf = Workflow("slow_then_fast")
+    nap = wf.call("nap", "echo", "sleep", ms=300)
+    wf.output("text", wf.call("after", "echo", "noop", text=nap["worker"])["text"])
+    async with Client(procs["coordinator"].address) as client:
+        await client.register(wf)
+        before = await picks_made(procs["router"].address)
+        assert (await client.run("slow_then_fast", {})).ok
+        first = await picks_made(procs["router"].address) - before
+        assert first == 3  # 'after' picked ahead, too early: released and picked again
+        for _ in range(2):
+            before = await picks_made(procs["router"].address)
+            assert (await client.run("slow_then_fast", {})).outputs == {"text": "echo-0"}
+            assert await picks_made(procs["router"].address) - before == 2
