@@ -195,14 +195,34 @@ class _Scope:
         self.done: dict[str, asyncio.Future[dict[str, Any]]] = {
             n.name: loop.create_future() for n in nodes
         }
-        # Set when a node's call is under way (or it ended): its consumers pick ahead then.
+        # Set when a node's call is under way (or it ended).
         self.calling: dict[str, asyncio.Event] = {n.name: asyncio.Event() for n in nodes}
+        # Set when a node's call is under way, or its worker is picked while its own
+        # producers are calling: its consumers pick ahead then (at most two nodes ahead).
+        self.soon: dict[str, asyncio.Event] = {n.name: asyncio.Event() for n in nodes}
+        self.producers: dict[str, set[str]] = {
+            n.name: {s.node_output.node for s in n.inputs.values() if s.HasField("node_output")}
+            for n in nodes
+        }
+
         self.streams: dict[tuple[str, str], _Stream] = {}
         for node in nodes:
             for src in node.inputs.values():
                 if src.streaming and src.HasField("node_output"):
                     key = (src.node_output.node, src.node_output.output)
                     self.streams.setdefault(key, _Stream())
+
+    def started(self, name: str) -> None:
+        self.calling[name].set()
+        self.soon[name].set()
+
+    def picked(self, name: str, task: asyncio.Future[Any]) -> None:
+        """``name``'s pick ahead completed: its consumers may pick too, if its own
+        producers already run (so that picks never cascade down a whole chain)."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        if all(self.calling[p].is_set() for p in self.producers[name]):
+            self.soon[name].set()
 
     async def resolve(self, src: cpb.Source) -> Any:
         kind = src.WhichOneof("kind")
@@ -264,6 +284,8 @@ class Executor:
             if kind == "call" and not streaming:
                 ahead = self.early.pop(node.name, None) if not scope.prefix else None
                 ahead = ahead or await self._pick_ahead(scope, node)
+                if ahead is not None:
+                    ahead.task.add_done_callback(lambda t, n=node.name: scope.picked(n, t))
             values = dict(zip(plain, [await scope.resolve(s) for s in plain.values()], strict=True))
             started = time.perf_counter()
             if kind == "call" and streaming:
@@ -302,7 +324,7 @@ class Executor:
             self.sink.node_finished(path, cpb.RUN_STATE_FAILED, failed.reason, 0.0)
             raise failed from exc
         finally:
-            scope.calling[node.name].set()
+            scope.started(node.name)
             for (name, _), stream in scope.streams.items():
                 if name == node.name:
                     stream.close()
@@ -317,7 +339,7 @@ class Executor:
         """Pick this node's worker while its producer runs, so that a hop costs one RPC
         on the critical path instead of two. Not when the pick depends on a value the
         run has yet to produce (a session key from a node output)."""
-        producers = {s.node_output.node for s in node.inputs.values() if s.HasField("node_output")}
+        producers = scope.producers[node.name]
         if not producers or any(self.limits.slow(scope.prefix + p) for p in producers):
             return None
         spec = node.call
@@ -332,7 +354,7 @@ class Executor:
         if any(src.HasField("node_output") for src in reads.values()):
             return None
         for name in producers:
-            await scope.calling[name].wait()
+            await scope.soon[name].wait()
         session = ""
         if key_src is not None:
             session = str(await scope.resolve(key_src) or "")
@@ -372,7 +394,6 @@ class Executor:
         backoff = node.retry.initial_backoff_ms / 1000
         exclude: list[str] = []
         outs = {k: s for k, s in scope.streams.items() if k[0] == node.name}
-        calling = scope.calling[node.name]
         delivered = False
 
         async def on_chunk(output: str, chunk: Any) -> None:
@@ -407,7 +428,7 @@ class Executor:
                         if target is None:
                             target = await self.caller.pick(req, tuple(exclude))
                         self.sink.node_started(path, target.worker_id, attempt)
-                        calling.set()  # consumers pick ahead while this call runs
+                        scope.started(node.name)  # consumers pick ahead while it runs
                         async with asyncio.timeout(req.timeout_s):
                             result = await self.caller.invoke(target, req, on_chunk)
                     finally:

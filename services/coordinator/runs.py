@@ -93,6 +93,7 @@ class LiveRun:
         self.events: list[cpb.RunEvent] = []
         self.flushed = 0
         self.flush_lock = asyncio.Lock()
+        self.closed = False  # the final record is written: no more flushes
         self.changed = asyncio.Event()
         self.listeners = 0
         self._wake_pending = False
@@ -259,6 +260,8 @@ class RunManager:
         """Write the record and the events not yet written, in one round trip; with
         ``last`` (the RunFinished event, not yet published), the final write."""
         async with live.flush_lock:  # the periodic and the final flush never interleave
+            if live.closed:
+                return  # a periodic flush that waited for the final one: nothing to add
             key = run_key(live.run.run_id)
             pending = live.events[live.flushed :]
             if last is not None:
@@ -273,6 +276,7 @@ class RunManager:
                 ],
             )
             live.flushed += len(pending) - (last is not None)
+            live.closed = last is not None
 
     async def stop(self) -> None:
         """Cancel live runs (recorded as cancelled by shutdown), stop background tasks."""

@@ -5,6 +5,7 @@ processes on a private Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -136,3 +137,26 @@ async def test_no_pick_ahead_behind_a_slow_producer(cluster):
             before = await picks_made(procs["router"].address)
             assert (await client.run("slow_then_fast", {})).outputs == {"text": "echo-0"}
             assert await picks_made(procs["router"].address) - before == 2
+
+
+async def test_a_periodic_flush_queued_behind_the_final_one_adds_nothing(
+    redis_server: RedisProcess,
+):
+    db = aioredis.from_url(redis_server.url)
+    run_id = uuid.uuid4().hex
+    key = f"omniflow:run:{run_id}"
+    try:
+        manager = RunManager(db, caller=None, owner_id="test", run_ttl_s=60)  # type: ignore[arg-type]
+        live = LiveRun(cpb.Run(run_id=run_id, state=cpb.RUN_STATE_SUCCEEDED))
+        live.emit(node_started=cpb.NodeStarted(node="n"))
+        finished = live.event(run_finished=cpb.RunFinished(state=cpb.RUN_STATE_SUCCEEDED))
+        final = asyncio.create_task(manager._flush(live, finished))
+        periodic = asyncio.create_task(manager._flush(live))  # waits for the final one
+        await asyncio.gather(final, periodic)
+        live.publish(finished)
+        await manager._flush(live)  # the flush loop's next turn, before the run is dropped
+        assert await db.llen(f"{key}:events") == 2
+        assert 0 < await db.ttl(key) <= 60  # the record keeps its expiry
+    finally:
+        await db.delete(key, f"{key}:events")
+        await db.aclose()
