@@ -1,12 +1,14 @@
-"""``omniflow models make-tiny``: argument parsing for the tiny-model writer."""
+"""``omniflow models make-tiny | convert-gguf | pull | list``: the model tools' arguments."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from omniflow.errors import InvalidArgument
 from omniflow.models.tiny import ARCHS, make_tiny
 from omniflow.models.tiny_mm import MM_KINDS, make_tiny_kind
 
@@ -71,13 +73,65 @@ def run_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from omniflow.models.gguf_convert import convert_gguf_atomic
+
+    print(convert_gguf_atomic(args.file, args.out, dtype=args.dtype, progress=_progress))
+    return 0
+
+
+def _run_pull(args: argparse.Namespace) -> int:
+    from omniflow.models.resolve import DEFAULT_MODELS_DIR
+    from omniflow.models.sources import pull
+
+    models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
+    for name in args.names:
+        print(pull(name, models_dir, progress=_progress, force=args.force))
+    return 0
+
+
+def _run_list(_: argparse.Namespace) -> int:
+    from omniflow.models.sources import SOURCES
+
+    for source in SOURCES.values():
+        print(f"{source.name}\t{source.kind}\t{source.description}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``omniflow models make-tiny ...`` as a standalone entry point (argv excludes the program)."""
+    """``omniflow models ...`` as a standalone entry point (argv excludes the program)."""
     parser = argparse.ArgumentParser(prog="omniflow models")
     sub = parser.add_subparsers(dest="command", required=True)
     add_make_tiny_arguments(sub.add_parser("make-tiny", help="write a random tiny HF-format model"))
+    p_conv = sub.add_parser(
+        "convert-gguf", help="convert a Llama/Qwen2-family GGUF file into a Hugging Face folder"
+    )
+    p_conv.add_argument("file", help="the .gguf file")
+    p_conv.add_argument("out", help="folder to write (replaced if it exists)")
+    p_conv.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p_pull = sub.add_parser(
+        "pull", help="convert a named model (see `omniflow models list`) into the model cache"
+    )
+    p_pull.add_argument("names", nargs="+", metavar="NAME")
+    p_pull.add_argument("--models-dir", default=None, help="default: ~/.cache/omniflow/models")
+    p_pull.add_argument("--force", action="store_true", help="rebuild even if already pulled")
+    sub.add_parser("list", help="the named models `pull` knows")
     args = parser.parse_args(argv)
-    return run_make_tiny(args)
+    run = {
+        "make-tiny": run_make_tiny,
+        "convert-gguf": _run_convert,
+        "pull": _run_pull,
+        "list": _run_list,
+    }[args.command]
+    try:
+        return run(args)
+    except InvalidArgument as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

