@@ -1,0 +1,182 @@
+"""Template and tokenize once: a model folder's tokenizer, chat template and block identity.
+
+Whoever receives a prompt (the gateway, the coordinator, or the worker itself when it is
+called directly) turns it into token ids with a :class:`Preprocessor` and hashes the full
+pages with the worker's KV namespace, so that the ids the router matches are the ids the
+worker computes. Chat prompts are rendered with the model's own template and tokenized
+without adding special tokens again (the template writes them), as
+``apply_chat_template(tokenize=True)`` does; text prompts are tokenized with the
+tokenizer's special tokens, as the Hugging Face tokenizer does by default.
+
+Tokenizing a long prompt takes milliseconds: the ``a*`` variants run on a thread so that
+an event loop never does it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omniflow.chat.template import ChatTemplate, read_template
+from omniflow.errors import InvalidArgument
+from omniflow.kv.blocks import DEFAULT_PAGE_SIZE, block_hashes
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """``tokenizer.json`` of a model folder (a ``tokenizers.Tokenizer``)."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise InvalidArgument(
+            f"model {folder.name} has no tokenizer.json in {folder}: text and chat prompts "
+            "need one; send token_ids instead"
+        )
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # malformed file: say which
+        raise InvalidArgument(f"cannot read {path}: {exc}") from None
+
+
+def read_eos_token_ids(folder: Path, tokenizer: Any | None = None) -> tuple[int, ...]:
+    """Every end-of-sequence id: ``generation_config.json`` first, then ``config.json``,
+    then the ``eos_token`` of ``tokenizer_config.json``."""
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            return (eos,)
+        if isinstance(eos, list) and eos:
+            return tuple(int(e) for e in eos)
+    if tokenizer is not None:
+        _, special = read_template(folder)
+        tok = special.get("eos_token")
+        if tok is not None and tokenizer.token_to_id(tok) is not None:
+            return (int(tokenizer.token_to_id(tok)),)
+    return ()
+
+
+class Preprocessor:
+    """Prompt → token ids → block hashes for one model folder and one KV namespace."""
+
+    def __init__(
+        self,
+        folder: Path,
+        tokenizer: Any,
+        template: ChatTemplate | None,
+        namespace: bytes,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        if page_size <= 0:
+            raise InvalidArgument(f"page_size must be > 0, got {page_size}")
+        self.folder = folder
+        self.model = folder.name
+        self.tokenizer = tokenizer
+        self.template = template
+        self.namespace = namespace
+        self.page_size = page_size
+        self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def from_folder(
+        cls,
+        folder: Path,
+        namespace: bytes,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        *,
+        tokenizer: Any | None = None,
+    ) -> Preprocessor:
+        """Read ``folder``'s tokenizer (unless one already loaded is given) and template."""
+        folder = Path(folder)
+        tok = tokenizer if tokenizer is not None else load_tokenizer(folder)
+        return cls(
+            folder,
+            tok,
+            ChatTemplate.from_folder(folder),
+            namespace,
+            page_size,
+            read_eos_token_ids(folder, tok),
+        )
+
+    @property
+    def has_template(self) -> bool:
+        return self.template is not None
+
+    def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+        """The prompt text of ``messages`` under the model's template (media as placeholders)."""
+        if self.template is None:
+            raise InvalidArgument(
+                f"model {self.model} has no chat template (no chat_template.jinja and no "
+                "chat_template in tokenizer_config.json): send a text prompt or token_ids "
+                "instead of messages"
+            )
+        return self.template.render(messages, add_generation_prompt)
+
+    def encode_piece(self, text: str) -> list[int]:
+        """Ids of ``text`` without special tokens added (a part of a rendered prompt)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_chat(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+        """Rendered with the template, then tokenized without adding special tokens again."""
+        return self.encode_piece(self.render_chat(messages, add_generation_prompt))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of a completion prompt, special tokens added as the tokenizer's default."""
+        return list(self.tokenizer.encode(text).ids)
+
+    def block_hashes(
+        self, ids: Sequence[int], extra_keys: Mapping[int, bytes] | None = None
+    ) -> list[bytes]:
+        """The full pages' hashes under this namespace (DESIGN §4.1)."""
+        return block_hashes(self.namespace, ids, self.page_size, extra_keys)
+
+    async def aencode_chat(
+        self, messages: Messages, add_generation_prompt: bool = True
+    ) -> list[int]:
+        return await asyncio.to_thread(self.encode_chat, messages, add_generation_prompt)
+
+    async def aencode_text(self, text: str) -> list[int]:
+        return await asyncio.to_thread(self.encode_text, text)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+CACHE_ENTRIES = 16
+_cache: OrderedDict[tuple[str, bytes, int], Preprocessor] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def cached_preprocessor(
+    folder: Path | str, namespace: bytes, page_size: int = DEFAULT_PAGE_SIZE
+) -> Preprocessor:
+    """A shared Preprocessor per (folder, namespace, page size); loads it on first use."""
+    key = (str(Path(folder).expanduser().resolve()), namespace, page_size)
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+            return hit
+    pre = Preprocessor.from_folder(Path(key[0]), namespace, page_size)
+    with _cache_lock:
+        _cache[key] = pre
+        while len(_cache) > CACHE_ENTRIES:
+            _cache.popitem(last=False)
+    return pre
+
+
+async def acached_preprocessor(
+    folder: Path | str, namespace: bytes, page_size: int = DEFAULT_PAGE_SIZE
+) -> Preprocessor:
+    """:func:`cached_preprocessor` off the event loop (reading tokenizer.json takes a while)."""
+    return await asyncio.to_thread(cached_preprocessor, folder, namespace, page_size)
