@@ -9,7 +9,7 @@ from pathlib import Path
 from omniflow.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from omniflow.models.resolve import resolve_model
 from omniflow_services.worker.config import WorkerSettings
-from omniflow_services.worker.engine import EngineConfig
+from omniflow_services.worker.engine import Engine, EngineConfig
 from omniflow_services.worker.llm import LLMRole
 from omniflow_services.worker.mm.loading import LoadedRoles, load_roles
 
@@ -22,6 +22,9 @@ ROLE_OPERATIONS: dict[str, tuple[str, ...]] = {
     "diffusion": ("generate_image", "generate"),  # its backbone serves Generate too
     "talker": ("synthesize",),
 }
+# Sampling features the built-in engine serves, advertised next to the operations so that a
+# caller (the gateway) can refuse a field rather than have it ignored by another engine.
+ENGINE_FEATURES = ("logprobs", "penalties")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +53,10 @@ class WorkerCore:
 
     @property
     def operations(self) -> tuple[str, ...]:
-        return ROLE_OPERATIONS.get(self.role, ()) if self.model else ()
+        ops = ROLE_OPERATIONS.get(self.role, ()) if self.model else ()
+        if self.llm is not None and isinstance(self.llm.engine, Engine):
+            ops += ENGINE_FEATURES
+        return ops
 
     async def load(self, spec: str, dtype: str | None = None) -> None:
         """Load ``spec`` (a folder or tiny:<arch>) and warm the engine up."""

@@ -14,6 +14,7 @@ from omniflow.kv.wire import layout_to_proto
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import unimplemented
 from omniflow.workers import WORKER_SERVICE, worker_metadata
+from omniflow_services.worker import metrics
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.engine import Engine, SamplingParams
@@ -43,6 +44,10 @@ def sampling_params(p: common_pb2.SamplingParams, default_max_tokens: int) -> Sa
         stop_token_ids=tuple(p.stop_token_ids),
         stop=tuple(p.stop),
         ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
     )
 
 
@@ -87,10 +92,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             ids = prompt_ids(llm, request)
             hashes, stream = None, llm.generate(rid, ids, params)
         # Closing this generator (client gone, deadline) closes the engine stream: aborted.
-        async for out in stream:
+        async for out in metrics.timed(stream):
             reply = worker_pb2.GenerateResponse(
                 request_id=rid, token_ids=out.new_token_ids, text=out.text_delta
             )
+            if out.logprobs is not None:
+                reply.logprobs.extend(out.logprobs)
+            for top in out.top_logprobs or ():
+                reply.top_logprobs.add(token_ids=top.token_ids, logprobs=top.logprobs)
             if out.finished:
                 reply.finish_reason = _FINISH.get(out.finish_reason or "", 0)
                 reply.usage.CopyFrom(
@@ -199,6 +208,7 @@ class WorkerApp(ServiceApp):
         self.runtime: Runtime | None = None
         self.kv: WorkerKV | None = None
         self.mm = MultimodalEdge(settings, self.core, lambda: self.runtime)
+        self._unwatch = metrics.watch(self.core)  # engine series, read at scrape time
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(self), server)
@@ -225,6 +235,7 @@ class WorkerApp(ServiceApp):
         self.kv.attach(llm.engine)
 
     async def stop(self) -> None:
+        self._unwatch()
         if self.kv is not None:
             await self.kv.stop()
         await self.mm.close()

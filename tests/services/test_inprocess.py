@@ -114,7 +114,7 @@ async def test_router_lists_and_picks_live_workers(cluster):
         stub = router_pb2_grpc.RouterServiceStub(channel)
         llm = await stub.ListWorkers(router_pb2.ListWorkersRequest(role="llm"))
         assert [w.worker_id for w in llm.workers] == ["llm-0"]
-        assert llm.workers[0].operations == ["generate"]
+        assert llm.workers[0].operations == ["generate", "logprobs", "penalties"]
         assert len(llm.workers[0].kv_namespace) == 32
         assert llm.workers[0].load.total_pages > 0
         picked = await stub.Pick(router_pb2.PickRequest(role="encoder"))

@@ -1,11 +1,17 @@
-"""The sampler's filters against transformers' logits processors, row by row."""
+"""The sampler's filters against transformers' logits processors, row by row, and the batched
+sampler's penalties and random draws."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from omniflow_services.worker.engine.sampling import SamplingParams, _filter, sample
+from omniflow_services.worker.engine.sampling import (
+    PenaltyState,
+    SamplingParams,
+    filter_logits,
+    sample,
+)
 
 transformers = pytest.importorskip("transformers", reason="reference processors")
 
@@ -38,8 +44,15 @@ def test_filters_keep_the_same_tokens_as_transformers(params: SamplingParams, wa
     ref = logits / params.temperature
     for w in warpers():
         ref = w(None, ref)
-    for i in range(logits.shape[0]):
-        ours = _filter(logits[i], params)
+    n = logits.shape[0]
+    batch = filter_logits(
+        logits / params.temperature,
+        torch.full((n,), params.top_k),
+        torch.full((n,), params.top_p),
+        torch.full((n,), params.min_p),
+    )
+    for i in range(n):
+        ours = batch[i]
         keep_ours = ours > torch.finfo(ours.dtype).min
         keep_ref = torch.isfinite(ref[i])
         assert torch.equal(keep_ours, keep_ref)
@@ -48,15 +61,17 @@ def test_filters_keep_the_same_tokens_as_transformers(params: SamplingParams, wa
 
 def test_repetition_penalty_matches_transformers() -> None:
     logits = _rows(1)
-    seen = torch.tensor([3, 17, 42, 199])
+    seen = [3, 17, 42, 199]
     proc = transformers.RepetitionPenaltyLogitsProcessor(1.7)
-    ref = proc(seen[None, :], logits.clone())
+    ref = proc(torch.tensor([seen]), logits.clone())
     p = SamplingParams(temperature=0.0, repetition_penalty=1.7)
-    assert sample(logits, [p], [seen], [None]) == [int(ref[0].argmax())]
+    state = PenaltyState(p, seen, 200, torch.device("cpu"))
+    assert sample(logits, [p], [state]).tokens == [int(ref[0].argmax())]
     # A penalised row changes the choice when the top token was seen.
     top = int(logits[0].argmax())
     strong = SamplingParams(temperature=0.0, repetition_penalty=10.0)
-    assert sample(logits, [strong], [torch.tensor([top])], [None])[0] != top
+    state = PenaltyState(strong, [top], 200, torch.device("cpu"))
+    assert sample(logits, [strong], [state]).tokens[0] != top
 
 
 def test_sampling_follows_the_distribution() -> None:
@@ -65,7 +80,78 @@ def test_sampling_follows_the_distribution() -> None:
     gen = torch.Generator().manual_seed(1)
     counts = torch.zeros(4)
     for _ in range(3000):
-        counts[sample(logits, [p], [None], [gen])[0]] += 1
+        counts[sample(logits, [p], None, [gen]).tokens[0]] += 1
     expected = torch.softmax(logits[0], -1) * 3000
     assert counts[3] == 0
     assert torch.allclose(counts[:3], expected[:3], rtol=0.15)
+
+
+def test_a_mixed_batch_samples_each_row_by_its_own_params() -> None:
+    """Greedy, seeded and filtered rows in one call: each row as if sampled alone."""
+    logits = _rows(5)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, seed=7),
+        SamplingParams(temperature=1.0, top_k=1, seed=3),  # top-1: must be the argmax
+        SamplingParams(temperature=0.5, top_p=0.3, min_p=0.1, seed=11),
+        SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=1.0),
+    ]
+    states = [
+        PenaltyState(p, [], 200, torch.device("cpu")) if p.penalised else None for p in params
+    ]
+    top = int(logits[4].argmax())
+    states[4].add(top)  # type: ignore[union-attr]
+
+    def gens() -> list[torch.Generator | None]:
+        return [
+            torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params
+        ]
+
+    together = sample(logits, params, states, gens()).tokens
+    assert together == sample(logits, params, states, gens()).tokens  # seeds reproduce
+    assert together[0] == int(logits[0].argmax())
+    assert together[2] == int(logits[2].argmax())
+    for i in (1, 3):
+        alone = sample(logits[i : i + 1], [params[i]], None, [gens()[i]]).tokens[0]
+        assert together[i] == alone
+    penalised = logits[4].clone()
+    penalised[top] -= 2.0 + 1.0
+    assert together[4] == int(penalised.argmax())
+
+
+def test_logprobs_are_of_the_raw_distribution() -> None:
+    logits = _rows(3)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=4),
+        SamplingParams(temperature=0.3, top_k=5, logprobs=True, seed=1),
+        SamplingParams(temperature=0.0),
+    ]
+    out = sample(logits, params, None, [None, torch.Generator().manual_seed(1), None])
+    ref = torch.log_softmax(logits, -1)
+    assert out.logprobs[0] == pytest.approx(float(ref[0, out.tokens[0]]), abs=1e-6)
+    assert out.logprobs[1] == pytest.approx(float(ref[1, out.tokens[1]]), abs=1e-6)
+    assert out.logprobs[2] is None and out.top_logprobs[2] is None
+    assert out.top_logprobs[1] is None
+    top = out.top_logprobs[0]
+    assert top is not None
+    v, i = torch.topk(ref[0], 4)
+    assert top.token_ids == tuple(i.tolist())
+    assert top.logprobs == pytest.approx(v.tolist(), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+        ("frequency_penalty", -3.0, "frequency_penalty must be in [-2, 2]"),
+        ("top_logprobs", 21, "top_logprobs must be in [0, 20]"),
+    ],
+)
+def test_bad_new_fields_are_named(field: str, value: object, message: str) -> None:
+    from omniflow.errors import InvalidArgument
+
+    kw = {field: value, "logprobs": True}
+    with pytest.raises(InvalidArgument, match=message.replace("[", r"\[").replace("]", r"\]")):
+        SamplingParams(**kw).validate(100)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="top_logprobs needs logprobs=true"):
+        SamplingParams(top_logprobs=3).validate(100)

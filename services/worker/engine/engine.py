@@ -12,6 +12,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from omniflow_services.worker.engine.kv_pool import KVPool
 from omniflow_services.worker.engine.loader import load_model
 from omniflow_services.worker.engine.model import SeqInput, build_batch
 from omniflow_services.worker.engine.prefix_cache import PrefixCache
-from omniflow_services.worker.engine.sampling import sample
+from omniflow_services.worker.engine.sampling import PenaltyState, sample
 from omniflow_services.worker.engine.scheduler import ScheduledSeq, Scheduler, SeqState
 from omniflow_services.worker.engine.types import (
     EmbedSpan,
@@ -170,12 +171,9 @@ class Engine:
         ids = self._validate(req)
         p = req.params
         gen = None
-        if not p.greedy:
+        if not p.greedy and p.seed is not None:  # unseeded requests share the global source
             gen = torch.Generator(device=self._device)
-            if p.seed is not None:
-                gen.manual_seed(p.seed)
-            else:
-                gen.seed()
+            gen.manual_seed(p.seed)
         stop_ids = set(p.stop_token_ids)
         if not p.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -191,6 +189,8 @@ class Engine:
             embeds=tuple(sorted(req.embeds, key=lambda x: x.start)),
             want_kv=req.return_kv,
         )
+        if p.penalised:
+            seq.penalty = PenaltyState(p, ids, self.model_config.vocab_size, self._device)
         if self.tokenizer is not None:
             seq.detok = Detokenizer(self.tokenizer, p.stop)
         with self._id_lock:
@@ -400,20 +400,17 @@ class Engine:
         self._write_through(written)
         if not done:
             return
-        vocab = self.model_config.vocab_size
-        seen = [
-            # pad ids of media positions are not vocabulary ids: no penalty for them
-            torch.tensor(
-                sorted(t for t in set(q.tokens) if t < vocab), dtype=torch.long, device=self._device
-            )
-            if q.params.repetition_penalty != 1.0
-            else None
-            for q in done
-        ]
         kvs = {id(q): self._gather_kv(q) for q in done if q.want_kv and q.num_output == 0}
-        tokens = sample(logits, [q.params for q in done], seen, [q.generator for q in done])
-        for row, (seq, tok) in enumerate(zip(done, tokens, strict=True)):
+        sampled = sample(
+            logits,
+            [q.params for q in done],
+            [q.penalty for q in done],
+            [q.generator for q in done],
+        )
+        for row, (seq, tok) in enumerate(zip(done, sampled.tokens, strict=True)):
             seq.tokens.append(tok)
+            if seq.penalty is not None:
+                seq.penalty.add(tok)
             self.stats.generated_tokens += 1
             reason = None
             stopped_by_text = seq.detok.add(tok) if seq.detok is not None else False
@@ -430,6 +427,10 @@ class Engine:
                 out = self._finish(seq, reason, (tok,), text)
             if row_logits is not None or kv is not None:
                 out = _with_logits(out, row_logits, kv=kv)
+            lp = sampled.logprobs[row]
+            if lp is not None:
+                top = sampled.top_logprobs[row]
+                out = replace(out, logprobs=(lp,), top_logprobs=(top,) if top else None)
             outputs.append(out)
 
     def _gather_kv(self, seq: SeqState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -498,14 +499,4 @@ def _with_logits(
     kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     error: BaseException | None = None,
 ) -> RequestOutput:
-    return RequestOutput(
-        out.request_id,
-        out.new_token_ids,
-        out.text_delta,
-        out.finished,
-        out.finish_reason,
-        out.usage,
-        logits,
-        kv,
-        error,
-    )
+    return replace(out, logits=logits, kv=kv, error=error)

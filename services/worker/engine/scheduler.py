@@ -52,6 +52,7 @@ class SeqState:
     detok: Any = None
     embeds: tuple[Any, ...] = ()  # EmbedSpan, sorted by start
     want_kv: bool = False
+    penalty: Any = None  # PenaltyState when the request uses a penalty
 
     @property
     def num_output(self) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omniflow_services.worker.engine.sampling import SamplingParams
+from omniflow_services.worker.engine.sampling import SamplingParams, TopLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,8 @@ class RequestOutput:
     ``logits`` is [len(new_token_ids), vocab] when the request asked for it. ``kv`` is the
     prompt's (K, V), each ``[layers, kv_heads, prompt_len, head_dim]``, on the first output
     of a request that asked for it. ``error`` says why a request was dropped (finish
-    reason "abort"), e.g. its embeddings could not be produced.
+    reason "abort"), e.g. its embeddings could not be produced. ``logprobs`` (one per new
+    token) and ``top_logprobs`` (one per new token) are set when the params asked for them.
     """
 
     request_id: str
@@ -74,6 +75,8 @@ class RequestOutput:
     logits: torch.Tensor | None = None
     kv: tuple[torch.Tensor, torch.Tensor] | None = None
     error: BaseException | None = None
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
