@@ -34,6 +34,8 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # The checkpoint's stored dtype (informational: EngineConfig.dtype decides compute).
+    checkpoint_dtype: str | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -81,6 +83,8 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            # transformers 5 writes "dtype", hub downloads carry "torch_dtype".
+            checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         )
 
     @classmethod
