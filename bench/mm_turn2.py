@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omniflow.chat import ChatTemplate
 from omniflow.kv.blocks import item_id
 from omniflow.models import make_tiny
 from omniflow.models.tiny_mm import make_vision_encoder
@@ -30,6 +31,9 @@ from omniflow_services.worker.engine import Engine, EngineConfig, SamplingParams
 from omniflow_services.worker.mm.encoders import EncoderCache, EncoderRole, VisionEncoder
 from omniflow_services.worker.mm.media import MediaInput
 from omniflow_services.worker.mm.prompt import ItemEmbeddings, build_prompt, chat_segments
+
+# The tiny llm's own chat template, read once its folder exists.
+TEMPLATE: list[ChatTemplate] = []
 
 SYSTEM = "You are a helpful assistant that looks at pictures and answers questions. " * 3
 
@@ -59,7 +63,9 @@ async def ttft(
 
     item = ItemEmbeddings(item_id(image), n, fetch)
     segs = chat_segments(
-        [(r, [item if p is None else p for p in parts]) for r, parts in turns], True
+        [(r, [item if p is None else p for p in parts]) for r, parts in turns],
+        True,
+        TEMPLATE[0],
     )
     prompt = build_prompt(
         segs,
@@ -89,6 +95,7 @@ async def main_async(args: argparse.Namespace) -> None:
                                   layers=args.enc_layers, heads=6, image_size=args.image_size,
                                   patch_size=14)  # fmt: skip
         cfg = EngineConfig(num_pages=512, max_num_batched_tokens=1024)
+        TEMPLATE.append(ChatTemplate.from_folder(llm))
         cached = Engine(llm, cfg)
         fresh = Engine(llm, EngineConfig(num_pages=512, max_num_batched_tokens=1024,
                                          enable_prefix_cache=False))  # fmt: skip

@@ -1,7 +1,9 @@
 """The llm role: the built-in engine behind the worker API (no gRPC here).
 
-Turns chat messages into a prompt with the model's template, tokenizes so that the
-prompt's block hashes can be reported, and streams the engine's outputs.
+Prompts become token ids through the model's own chat template and tokenizer
+(``omniflow.chat.Preprocessor``, the same implementation the gateway and the coordinator
+use), always on a thread, never on the event loop; the prompt's block hashes are reported
+with the result, and the engine's outputs are streamed.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from omniflow.chat import Preprocessor
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import block_hashes
 from omniflow_services.worker.engine import (
@@ -25,30 +28,6 @@ from omniflow_services.worker.engine import (
 
 log = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "user", "assistant")
-
-
-@dataclass(frozen=True, slots=True)
-class ChatTurn:
-    role: str
-    text: str
-
-
-def chatml(turns: Sequence[ChatTurn], add_generation_prompt: bool = True) -> str:
-    """The ChatML prompt of ``turns`` (the template of Qwen2-family models and ours)."""
-    if not turns:
-        raise InvalidArgument("messages is empty: send at least one message")
-    parts = []
-    for i, t in enumerate(turns):
-        if t.role not in CHAT_ROLES:
-            raise InvalidArgument(
-                f"messages[{i}].role {t.role!r} is not accepted; accepted: {', '.join(CHAT_ROLES)}"
-            )
-        parts.append(f"<|im_start|>{t.role}\n{t.text}<|im_end|>\n")
-    if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
-
 
 class LLMRole:
     """One engine, shared by every Generate call of the worker."""
@@ -57,6 +36,12 @@ class LLMRole:
         self.engine = engine
         self.model_dir = model_dir
         self._ids = itertools.count()
+        self._prep: Preprocessor | None = None
+        if engine.tokenizer is not None:
+            layout = engine.layout
+            self._prep = Preprocessor.from_folder(
+                model_dir, layout.namespace, layout.page_size, tokenizer=engine.tokenizer
+            )
 
     @classmethod
     async def load(cls, model_dir: Path, config: EngineConfig) -> LLMRole:
@@ -74,10 +59,25 @@ class LLMRole:
         async for _ in self.engine.generate(req):
             pass
 
-    def tokenize(self, text: str) -> list[int]:
-        if self.engine.tokenizer is None:
-            raise InvalidArgument("this model has no tokenizer: send token_ids")
-        return list(self.engine.tokenizer.encode(text).ids)
+    @property
+    def prep(self) -> Preprocessor:
+        """The model's template and tokenizer; InvalidArgument when it has no tokenizer."""
+        if self._prep is None:
+            raise InvalidArgument(
+                f"model {self.model_dir.name} has no tokenizer.json: text and messages "
+                "prompts need one; send token_ids"
+            )
+        return self._prep
+
+    async def encode_text(self, text: str) -> list[int]:
+        """A completion prompt's ids (the tokenizer's special tokens added), off the loop."""
+        return await self.prep.aencode_text(text)
+
+    async def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Messages through the model's chat template, tokenized once, off the loop."""
+        return await self.prep.aencode_chat(messages, add_generation_prompt)
 
     def prompt_hashes(self, ids: Sequence[int]) -> list[bytes]:
         layout = self.engine.layout

@@ -29,7 +29,7 @@ from omniflow.workers import WORKER_SERVICE, worker_from_instance
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.engine import GenerateRequest, SamplingParams
-from omniflow_services.worker.llm import ChatTurn, LLMRole, chatml
+from omniflow_services.worker.llm import LLMRole
 from omniflow_services.worker.mm.image_role import ImageRequest
 from omniflow_services.worker.mm.media import AUDIO, IMAGE, MediaInput
 from omniflow_services.worker.mm.media_prompt import EncodedRef, MediaResolver, multimodal_request
@@ -173,6 +173,7 @@ class MultimodalEdge:
                 turns.append((m.role, parts))
             req, prompt = await multimodal_request(
                 engine,
+                llm.prep,
                 resolver,
                 rid,
                 params,
@@ -189,7 +190,7 @@ class MultimodalEdge:
                     got = EncodedRef(got.item_id, got.ref, _ref_kind(request.text, k), got.name)
                 items.append(got)
             req, prompt = await multimodal_request(
-                engine, resolver, rid, params, text=request.text, items=items
+                engine, llm.prep, resolver, rid, params, text=request.text, items=items
             )
         else:
             raise InvalidArgument("media items need a text or messages prompt, not token_ids")
@@ -234,12 +235,14 @@ class MultimodalEdge:
         if which == "text":
             if not request.text:
                 raise InvalidArgument("text is empty: describe the image to generate")
-            ids = llm.tokenize(chatml([ChatTurn("user", request.text)]))
+            ids = await llm.encode_chat([{"role": "user", "content": request.text}])
         elif which == "prompt_pages":
             ids = self._prompt_pages(llm, request.prompt_pages)
         else:
             raise InvalidArgument("the request has no prompt: set text or prompt_pages")
-        neg = llm.tokenize(chatml([ChatTurn("user", request.negative_prompt)]))
+        # The same template as any chat: the prompt (and its pages) match an llm's prefill
+        # of the same user message, e.g. one made with prefill_only for prompt_pages.
+        neg = await llm.encode_chat([{"role": "user", "content": request.negative_prompt}])
         size = int(cfg["default_size"])
         result = await role.generate(
             ImageRequest(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -19,7 +20,7 @@ from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.engine import Engine, SamplingParams
 from omniflow_services.worker.kv import WorkerKV
-from omniflow_services.worker.llm import ChatTurn, LLMRole, chatml
+from omniflow_services.worker.llm import LLMRole
 from omniflow_services.worker.mm_edge import MultimodalEdge, has_media
 
 log = logging.getLogger(__name__)
@@ -51,25 +52,34 @@ def sampling_params(p: common_pb2.SamplingParams, default_max_tokens: int) -> Sa
     )
 
 
-def prompt_ids(llm: LLMRole, request: worker_pb2.GenerateRequest) -> list[int]:
+def chat_messages(messages: worker_pb2.ChatMessages) -> list[dict[str, Any]]:
+    """Proto chat messages of text parts → the OpenAI-style dicts chat templates render."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages.messages):
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(m.content):
+            if part.WhichOneof("part") != "text":
+                raise InvalidArgument(
+                    f"messages[{i}].content[{j}] is a media part: media in prompts needs "
+                    "the multimodal path (an llm worker with an encoder reachable)"
+                )
+            parts.append({"type": "text", "text": part.text})
+        out.append({"role": m.role, "content": parts})
+    return out
+
+
+async def prompt_ids(llm: LLMRole, request: worker_pb2.GenerateRequest) -> list[int]:
+    """The prompt's token ids: ``token_ids`` as given (never re-tokenized); ``text`` with
+    the tokenizer's special tokens; ``messages`` through the model's chat template. The
+    tokenizing runs on a thread."""
     kind = request.WhichOneof("prompt")
     if kind == "token_ids":
         return list(request.token_ids.ids)
     if kind == "text":
-        return llm.tokenize(request.text)
+        return await llm.encode_text(request.text)
     if kind == "messages":
-        turns = []
-        for i, m in enumerate(request.messages.messages):
-            texts = []
-            for part in m.content:
-                if part.WhichOneof("part") != "text":
-                    raise InvalidArgument(
-                        f"messages[{i}] has a media part: media in prompts needs the "
-                        "multimodal roles (Compute Flow part 2); send text parts"
-                    )
-                texts.append(part.text)
-            turns.append(ChatTurn(m.role, "".join(texts)))
-        return llm.tokenize(chatml(turns, request.messages.add_generation_prompt))
+        messages = chat_messages(request.messages)
+        return await llm.encode_chat(messages, request.messages.add_generation_prompt)
     raise InvalidArgument("the request has no prompt: set text, token_ids or messages")
 
 
@@ -89,7 +99,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             req, hashes = await self.app.mm.generate_request(llm, request, rid, params)
             ids, stream = req.prompt_token_ids, llm.engine.generate(req)
         else:
-            ids = prompt_ids(llm, request)
+            ids = await prompt_ids(llm, request)
             hashes, stream = None, llm.generate(rid, ids, params)
         # Closing this generator (client gone, deadline) closes the engine stream: aborted.
         async for out in metrics.timed(stream):

@@ -12,13 +12,13 @@ import pytest
 import torch
 from mm_cluster import Cluster
 
+from omniflow.chat import Preprocessor
 from omniflow.kv.blocks import block_hashes
 from omniflow.kv.client import KVClient, SourceKind
 from omniflow.localredis import LocalRedisError, find_redis_server, start_redis
 from omniflow.models.resolve import resolve_model
 from omniflow.models.tiny_mm import make_image_head
 from omniflow_services.worker.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
-from omniflow_services.worker.llm import ChatTurn, chatml
 from omniflow_services.worker.mm.diffusion import flow_euler, initial_noise
 from omniflow_services.worker.mm.image_role import ImageRequest
 from omniflow_services.worker.mm.loading import load_roles
@@ -65,7 +65,8 @@ async def test_diffusion_pulls_the_llm_prompt_pages_through_the_agents(
         llm = await asyncio.to_thread(
             Engine, backbone, EngineConfig(num_pages=64), connector=conn_a
         )
-        ids = list(llm.tokenizer.encode(chatml([ChatTurn("user", "a castle " * 12)])).ids)
+        prep = Preprocessor.from_folder(backbone, llm.layout.namespace, tokenizer=llm.tokenizer)
+        ids = prep.encode_chat([{"role": "user", "content": "a castle " * 12}])
         assert len(ids) > 48
         async for _ in llm.generate(
             GenerateRequest("pre", prompt_token_ids=ids, params=SamplingParams(1, 0.0))
@@ -88,7 +89,7 @@ async def test_diffusion_pulls_the_llm_prompt_pages_through_the_agents(
         )
         role = roles.diffusion
         assert role is not None and role.engine.layout.namespace == ns
-        neg = list(llm.tokenizer.encode(chatml([ChatTurn("user", "")])).ids)
+        neg = prep.encode_chat([{"role": "user", "content": ""}])
         req = ImageRequest("img", ids, neg, 32, 32, steps=3, guidance=2.0, seed=2)
         result = await role.generate(req)
         full = len(ids) // 16 * 16

@@ -9,6 +9,7 @@ import pytest
 import torch
 from engine_helpers import ATOL, TinyModel, run_all
 
+from omniflow.chat import ChatTemplate
 from omniflow.kv.blocks import block_hashes, item_id, pad_id
 from omniflow_services.worker.engine import (
     EmbedSpan,
@@ -20,6 +21,10 @@ from omniflow_services.worker.engine import (
 from omniflow_services.worker.mm.prompt import ItemEmbeddings, build_prompt, chat_segments
 
 PAGE = 16
+CHATML = ChatTemplate(
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _item(raw: bytes, n: int = 20) -> ItemEmbeddings:
@@ -32,7 +37,7 @@ def _item(raw: bytes, n: int = 20) -> ItemEmbeddings:
 def _prompt(items: list[ItemEmbeddings], text: str = "describe it"):
     loop = asyncio.new_event_loop()
     try:
-        segs = chat_segments([("user", [*items, text])], True)
+        segs = chat_segments([("user", [*items, text])], True, CHATML)
         return build_prompt(segs, lambda s: [ord(c) % 200 for c in s], PAGE, loop, 64)
     finally:
         loop.close()
@@ -63,7 +68,7 @@ def test_image_starting_mid_page_shares_the_text_pages_before_it() -> None:
     loop = asyncio.new_event_loop()
     try:
         mk = lambda raw: build_prompt(  # noqa: E731
-            chat_segments([("user", [text, _item(raw), "end"])], True),
+            chat_segments([("user", [text, _item(raw), "end"])], True, CHATML),
             lambda s: [ord(c) % 200 for c in s], PAGE, loop, 64,
         )  # fmt: skip
         pa, pb = mk(a), mk(b)

@@ -17,7 +17,6 @@ from omniflow.kv.blocks import item_id
 from omniflow.models.resolve import resolve_model
 from omniflow.models.tiny_mm import make_image_head
 from omniflow_services.worker.engine import Engine, EngineConfig, SamplingParams
-from omniflow_services.worker.llm import ChatTurn, chatml
 from omniflow_services.worker.mm.diffusion import flow_euler, initial_noise
 from omniflow_services.worker.mm.encoders import EncoderRole, load_encoder
 from omniflow_services.worker.mm.image_role import DiffusionRole, ImageRequest
@@ -113,7 +112,7 @@ async def test_diffusion_worker_loads_its_backbone_once_and_serves_text(
     assert loaded.diffusion.engine is loaded.llm.engine
     assert loaded.diffusion.head.model is loaded.llm.engine.model
     assert loaded.llm.engine.layout.model_id == "tiny-qwen2"  # the LLM workers' namespace
-    ids = loaded.llm.tokenize(chatml([ChatTurn("user", "a cat")]))
+    ids = await loaded.llm.encode_chat([{"role": "user", "content": "a cat"}])
     out = [o async for o in loaded.llm.generate("t", ids, SamplingParams(3))]
     assert out[-1].finished
 

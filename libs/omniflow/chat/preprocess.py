@@ -112,15 +112,19 @@ class Preprocessor:
     def has_template(self) -> bool:
         return self.template is not None
 
-    def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages`` under the model's template (media as placeholders)."""
+    def require_template(self) -> ChatTemplate:
+        """The chat template; InvalidArgument naming the model when it has none."""
         if self.template is None:
             raise InvalidArgument(
                 f"model {self.model} has no chat template (no chat_template.jinja and no "
                 "chat_template in tokenizer_config.json): send a text prompt or token_ids "
                 "instead of messages"
             )
-        return self.template.render(messages, add_generation_prompt)
+        return self.template
+
+    def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+        """The prompt text of ``messages`` under the model's template (media as placeholders)."""
+        return self.require_template().render(messages, add_generation_prompt)
 
     def encode_piece(self, text: str) -> list[int]:
         """Ids of ``text`` without special tokens added (a part of a rendered prompt)."""

@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from omniflow.chat import Preprocessor
 from omniflow.errors import FailedPrecondition, InvalidArgument
 from omniflow.kv.blocks import HASH_BYTES, item_id
 from omniflow.kv.tensor_client import TensorClient
 from omniflow_services.worker.engine import GenerateRequest, SamplingParams
-from omniflow_services.worker.mm.media import MediaInput
+from omniflow_services.worker.mm.media import IMAGE, MediaInput
 from omniflow_services.worker.mm.prompt import (
     ItemEmbeddings,
     MultimodalPrompt,
@@ -95,7 +96,11 @@ class MediaResolver:
             )
         ref = part.ref
         return ItemEmbeddings(
-            part.item_id, int(shape[0]), lambda: self._get(ref, part.name), part.name
+            part.item_id,
+            int(shape[0]),
+            lambda: self._get(ref, part.name),
+            part.name,
+            part.kind or IMAGE,  # an encoded part of a chat carries no kind
         )
 
     async def media(self, item: MediaInput) -> ItemEmbeddings:
@@ -108,7 +113,7 @@ class MediaResolver:
                 ((_, ref),) = await self._encode_checked([item])
                 return await self._get(ref, item.name)
 
-            return ItemEmbeddings(key, n, later, item.name)
+            return ItemEmbeddings(key, n, later, item.name, item.kind)
         ((got_id, ref),) = await self._encode_checked([item])
         part = self.encoded(EncodedRef(got_id, ref, item.kind, item.name))
         self._remember(key, part.num_tokens)
@@ -135,6 +140,7 @@ class MediaResolver:
 
 async def multimodal_request(
     engine: Any,
+    prep: Preprocessor,
     resolver: MediaResolver,
     request_id: str,
     params: SamplingParams,
@@ -144,27 +150,24 @@ async def multimodal_request(
     text: str | None = None,
     items: Sequence[MediaInput | EncodedRef] = (),
 ) -> tuple[GenerateRequest, MultimodalPrompt]:
-    """The engine request for a chat (``turns``) or a text prompt with placeholders."""
-    if engine.tokenizer is None:
-        raise InvalidArgument("this model has no tokenizer: multimodal prompts need one")
-
-    def tokenize(s: str) -> list[int]:
-        return list(engine.tokenizer.encode(s).ids)
-
+    """The engine request for a chat (``turns``, through the model's chat template) or a
+    text prompt with placeholders. Rendering and tokenizing run on a thread."""
     if turns is not None:
+        template = prep.require_template()  # before any media is encoded
         resolved: list[tuple[str, list[Segment]]] = []
         for role, parts in turns:
             segs: list[Segment] = []
             for p in parts:
                 segs.append(p if isinstance(p, str) else await resolver.resolve(p))
             resolved.append((role, segs))
-        segments = chat_segments(resolved, add_generation_prompt)
+        segments = await asyncio.to_thread(chat_segments, resolved, add_generation_prompt, template)
     else:
         got = [await resolver.resolve(p) for p in items]
         segments = text_segments(text or "", got, [p.kind for p in items])
-    prompt = build_prompt(
+    prompt = await asyncio.to_thread(
+        build_prompt,
         segments,
-        tokenize,
+        prep.encode_piece,  # the template (or the text) holds every special token
         engine.layout.page_size,
         asyncio.get_running_loop(),
         engine.model_config.hidden_size,

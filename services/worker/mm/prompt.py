@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from omniflow.chat import ChatTemplate
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import MultimodalSpan, apply_multimodal
 from omniflow_services.worker.engine import EmbedSpan
-from omniflow_services.worker.llm import CHAT_ROLES
 
 #: Placeholders of a text prompt, matched in order with the request's items.
 PLACEHOLDER = re.compile(r"<\|(image|audio)\|>")
@@ -34,6 +34,7 @@ class ItemEmbeddings:
     num_tokens: int
     fetch: Callable[[], Awaitable[torch.Tensor]]
     name: str = "item"
+    kind: str = "image"  # image or audio: the placeholder it has in a rendered chat
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,23 +49,38 @@ Segment = str | ItemEmbeddings
 
 
 def chat_segments(
-    turns: Sequence[tuple[str, Sequence[Segment]]], add_generation_prompt: bool
+    turns: Sequence[tuple[str, Sequence[Segment]]],
+    add_generation_prompt: bool,
+    template: ChatTemplate,
 ) -> list[Segment]:
-    """ChatML around each turn's parts (the template of ``llm.chatml``), media kept in place."""
+    """The model's chat template around each turn's parts, media kept in place.
+
+    Each item is handed to the template as its placeholder (``<|image|>``, ``<|audio|>``)
+    inside the message content; the rendered prompt is then split at the placeholders and
+    the items are put back there, in order.
+    """
     if not turns:
         raise InvalidArgument("messages is empty: send at least one message")
-    out: list[Segment] = []
-    for i, (role, parts) in enumerate(turns):
-        if role not in CHAT_ROLES:
-            raise InvalidArgument(
-                f"messages[{i}].role {role!r} is not accepted; accepted: {', '.join(CHAT_ROLES)}"
-            )
-        out.append(f"<|im_start|>{role}\n")
-        out.extend(parts)
-        out.append("<|im_end|>\n")
-    if add_generation_prompt:
-        out.append("<|im_start|>assistant\n")
-    return out
+    messages = []
+    items: list[ItemEmbeddings] = []
+    for role, parts in turns:
+        content = []
+        for p in parts:
+            if isinstance(p, str):
+                content.append({"type": "text", "text": p})
+            else:
+                content.append({"type": p.kind})
+                items.append(p)
+        messages.append({"role": role, "content": content})
+    rendered = template.render(messages, add_generation_prompt)
+    if len(PLACEHOLDER.findall(rendered)) != len(items):
+        raise InvalidArgument(
+            f"the chat template of {template.model} rendered "
+            f"{len(PLACEHOLDER.findall(rendered))} media placeholders for {len(items)} media "
+            "parts (a text part may not contain <|image|> or <|audio|>, and the template must "
+            "keep each message's content once)"
+        )
+    return text_segments(rendered, items, [it.kind for it in items])
 
 
 def text_segments(
