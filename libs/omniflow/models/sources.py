@@ -75,19 +75,38 @@ def build_smollm2_instruct(dest: Path, progress: Progress) -> None:
     convert_gguf(_smollm2_gguf(), dest, dtype="float32", progress=progress)
 
 
+def _smollm2_hidden(dest: Path, progress: Progress) -> int:
+    """Pull the SmolLM2 backbone (dest is a temporary folder inside the model cache, so its
+    parent is the cache) and return its hidden size, which generated heads project into."""
+    import json
+
+    backbone = pull(SMOLLM2_INSTRUCT, models_dir=dest.parent, progress=progress)
+    return int(json.loads((backbone / "config.json").read_text())["hidden_size"])
+
+
 def build_smollm2_diffusion(dest: Path, progress: Progress) -> None:
     """The diffusion kind over SmolLM2's backbone: an image head naming the pulled LLM as its
     backbone (so both roles share its weights and KV namespace), generated and
     random-initialised, since no image weights can be installed here."""
-    import json
-
     from omniflow.models.tiny_mm import make_image_head
 
-    # dest is a temporary folder inside the model cache, so its parent is the cache.
-    backbone = pull(SMOLLM2_INSTRUCT, models_dir=dest.parent, progress=progress)
-    hidden = int(json.loads((backbone / "config.json").read_text())["hidden_size"])
+    hidden = _smollm2_hidden(dest, progress)
     progress(f"generating a random image head over {SMOLLM2_INSTRUCT} (hidden {hidden})")
     make_image_head(dest, backbone=SMOLLM2_INSTRUCT, backbone_hidden=hidden)
+
+
+def build_smollm2_vision_encoder(dest: Path, progress: Progress) -> None:
+    """A generated (random) vision encoder projecting into SmolLM2's hidden size."""
+    from omniflow.models.tiny_mm import make_vision_encoder
+
+    make_vision_encoder(dest, out_hidden=_smollm2_hidden(dest, progress))
+
+
+def build_smollm2_audio_encoder(dest: Path, progress: Progress) -> None:
+    """A generated (random) audio encoder projecting into SmolLM2's hidden size."""
+    from omniflow.models.tiny_mm import make_audio_encoder
+
+    make_audio_encoder(dest, out_hidden=_smollm2_hidden(dest, progress))
 
 
 SOURCES: dict[str, Source] = {
@@ -104,6 +123,18 @@ SOURCES: dict[str, Source] = {
             "diffusion",
             build_smollm2_diffusion,
             "SmolLM2-135M-Instruct backbone + a generated (random) image head",
+        ),
+        Source(
+            "smollm2-135m-vision-encoder",
+            "encoder",
+            build_smollm2_vision_encoder,
+            "generated (random) vision encoder into SmolLM2-135M's hidden size",
+        ),
+        Source(
+            "smollm2-135m-audio-encoder",
+            "encoder",
+            build_smollm2_audio_encoder,
+            "generated (random) audio encoder into SmolLM2-135M's hidden size",
         ),
     )
 }
