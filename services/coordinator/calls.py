@@ -68,6 +68,9 @@ class RunSink(Protocol):
 
 # A worker picked ahead is used only if the pick is this recent (load changes).
 PICK_AHEAD_MAX_AGE_S = 0.1
+# The outcome of a pick that was never used: neutral for the router's breaker (the worker
+# did nothing, so it neither succeeded nor failed), but it ends the outstanding call.
+UNUSED_PICK_CODE = "CANCELLED"
 
 
 @dataclass(slots=True)
@@ -124,4 +127,4 @@ async def release_picks(caller: WorkerCaller, picks: Mapping[str, PickAhead]) ->
             target = await ahead.task
         except (OmniflowError, asyncio.CancelledError):
             continue
-        await caller.report(target, True, 0.0, "")
+        await caller.report(target, False, 0.0, UNUSED_PICK_CODE)

@@ -26,6 +26,38 @@ class CoordinatorSettings(CommonSettings):
         "largest bytes value passed inline; larger data goes as a TensorRef",
         minimum=0,
     )
+    max_input_bytes: int = setting(
+        "OMNIFLOW_COORDINATOR_MAX_INPUT_BYTES",
+        16 * 1024 * 1024,
+        "largest size of a run's inputs together (serialized); runs and their records "
+        "are kept in memory and in Redis",
+        minimum=0,
+    )
+    max_graph_nodes: int = setting(
+        "OMNIFLOW_COORDINATOR_MAX_GRAPH_NODES",
+        1024,
+        "most nodes in a workflow graph, nested bodies included",
+        minimum=1,
+    )
+    max_graph_depth: int = setting(
+        "OMNIFLOW_COORDINATOR_MAX_GRAPH_DEPTH",
+        16,
+        "deepest nesting of switch, loop and map bodies in a workflow graph",
+        minimum=1,
+    )
+    max_graph_bytes: int = setting(
+        "OMNIFLOW_COORDINATOR_MAX_GRAPH_BYTES",
+        1024 * 1024,
+        "largest serialized workflow graph",
+        minimum=1,
+    )
+    record_retry_s: float = setting(
+        "OMNIFLOW_COORDINATOR_RECORD_RETRY_S",
+        5.0,
+        "how long the final write of a run is retried before the run is reported failed "
+        "(UNAVAILABLE) instead of finished unrecorded",
+        minimum=0.0,
+    )
     node_timeout_s: float = setting(
         "OMNIFLOW_COORDINATOR_NODE_TIMEOUT_S",
         300.0,

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.dsl.validate import validate_graph
 from omniflow.errors import InvalidArgument, NotFound
+from omniflow_services.coordinator.limits import RunLimits, check_graph
 
 WORKFLOWS_KEY = "omniflow:workflows"
 GRAPH_CACHE_SIZE = 256
@@ -49,8 +50,9 @@ class WorkflowSummary:
 class WorkflowCatalogue:
     """Registered workflows, read from Redis."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, limits: RunLimits | None = None) -> None:
         self._redis = redis
+        self.limits = limits or RunLimits()
         self._graphs: dict[tuple[str, int], cpb.WorkflowGraph] = {}
         self._latest: dict[str, int] = {}  # the latest version this catalogue has seen
 
@@ -73,6 +75,7 @@ class WorkflowCatalogue:
 
     async def register(self, graph: cpb.WorkflowGraph) -> int:
         """Validate and store ``graph`` as the next version of its name; returns it."""
+        check_graph(self.limits, graph)  # before validation walks it
         validate_graph(graph)
         version = int(await self._redis.incr(f"omniflow:workflow:{graph.name}:seq"))
         stored = cpb.WorkflowGraph()

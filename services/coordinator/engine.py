@@ -39,6 +39,7 @@ from omniflow.errors import DeadlineExceeded, OmniflowError
 from omniflow.values import to_python
 from omniflow_services.coordinator.calls import (
     PICK_AHEAD_MAX_AGE_S,
+    UNUSED_PICK_CODE,
     CallRequest,
     ChunkSink,
     PickAhead,
@@ -375,7 +376,7 @@ class Executor:
         except OmniflowError:
             return None  # pick again, with the error handling of a normal pick
         if asyncio.get_running_loop().time() - ahead.at > PICK_AHEAD_MAX_AGE_S:
-            await self.caller.report(target, True, 0.0, "")
+            await self.caller.report(target, False, 0.0, UNUSED_PICK_CODE)
             return None
         return target
 

@@ -13,11 +13,20 @@ The final record and every event, ``RunFinished`` included, are in Redis before
 ``RunFinished`` reaches any client: a run a client saw finish is never reported
 interrupted by a coordinator that restarts. Finished runs are kept for ``run_ttl_s``.
 
-Restart behaviour: a run is not resumed. When a coordinator starts, every active run
-whose coordinator has no live lease (or is this coordinator's own id, from before a
-restart) is marked FAILED with the reason "interrupted: coordinator ... restarted or
-died while the run was in progress"; its stream ends with that RunFinished event.
-Finished runs answer GetRun and StreamRunEvents from Redis after a restart.
+A run is reported finished only once its final record is written: the final write is
+retried for ``record_retry_s``; if Redis still does not take it, the run is reported
+FAILED with an ``UNAVAILABLE: ...`` reason instead (never SUCCEEDED unrecorded), and that
+failed record is written as soon as Redis answers again.
+
+Adoption: a run's entry in ``omniflow:runs:active`` is its claim, valid while its
+coordinator's lease lives (one lease per coordinator covers all its runs: one write per
+period instead of one per run). Every coordinator sweeps the active runs each
+``lease_ttl_s / 3``; a run whose coordinator's lease is missing on two sweeps in a row
+(or that is this coordinator's own, from before a restart) is claimed atomically and
+marked FAILED with the reason "interrupted: coordinator ... restarted or died while the
+run was in progress"; its stream ends with that RunFinished event. A run is therefore
+never RUNNING for longer than about the lease TTL after its coordinator died. Runs are
+not resumed. Finished runs answer GetRun and StreamRunEvents from Redis after a restart.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from omniflow_services.coordinator.engine import (
     NodeLimits,
     current_trace_id,
 )
+from omniflow_services.coordinator.limits import RunLimits, check_inputs_size
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +69,11 @@ ACTIVE_KEY = "omniflow:runs:active"
 # One script per flush (a third cheaper than a pipeline of its commands): append the new
 # events, store the record; on the final write (a TTL given) expire both and leave the
 # active set. KEYS: record, events, active set. ARGV: record, ttl (0: not final), run id,
-# events...
+# events already written before these, events... A retry after a lost reply pushes only
+# what the list does not have yet.
 _WRITE = """
-for i = 4, #ARGV, 1000 do  -- in slices: unpack() has a stack limit
+local first = 5 + math.max(redis.call('LLEN', KEYS[2]) - tonumber(ARGV[4]), 0)
+for i = first, #ARGV, 1000 do  -- in slices: unpack() has a stack limit
   redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
 end
 local ttl = tonumber(ARGV[2])
@@ -74,7 +86,20 @@ else
 end
 return 1
 """
+# Claim an orphaned run: only if the entry still names the dead owner and (unless it is
+# the claimant itself, restarted) that owner's lease is still missing.
+# KEYS: active set, the owner's lease. ARGV: run id, owner, claimant.
+_CLAIM = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+if ARGV[2] ~= ARGV[3] and redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
 TERMINAL = (cpb.RUN_STATE_SUCCEEDED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_CANCELLED)
+
+
+def lease_key(owner: str) -> str:
+    return f"omniflow:coordinator:{owner}:lease"
 
 
 def _now_ms() -> int:
@@ -171,13 +196,22 @@ class RunManager:
         max_inline_bytes: int = 4 * 1024 * 1024,
         flush_interval_s: float = 0.05,
         lease_ttl_s: float = 10.0,
+        record_retry_s: float = 5.0,
+        limits: RunLimits | None = None,
     ) -> None:
         self.redis, self.caller, self.owner_id = redis, caller, owner_id
-        self.catalogue = WorkflowCatalogue(redis)
+        self.catalogue = WorkflowCatalogue(redis, limits)
         self.max_runs, self.run_ttl_s = max_runs, run_ttl_s
         self.max_inline_bytes = max_inline_bytes
         self.flush_interval_s, self.lease_ttl_s = flush_interval_s, lease_ttl_s
+        self.record_retry_s = record_retry_s
+        self.bounds = limits or RunLimits(max_inline_bytes=max_inline_bytes)
         self.live: dict[str, LiveRun] = {}
+        # Runs reported failed because their final record could not be written; the
+        # flush loop writes them once Redis answers (GetRun answers from here meanwhile).
+        self.unrecorded: dict[str, tuple[LiveRun, cpb.RunEvent]] = {}
+        self._suspects: set[tuple[str, str]] = set()  # (run, owner) seen without a lease
+        self._claim = redis.register_script(_CLAIM)
         self.limits: dict[str, NodeLimits] = {}
         self._background: list[asyncio.Task[None]] = []
         self._write = redis.register_script(_WRITE)
@@ -194,22 +228,34 @@ class RunManager:
         ]
         return orphaned
 
-    async def recover(self) -> int:
+    async def recover(self, confirm: bool = False) -> int:
+        """Adopt and fail the active runs whose coordinator is gone; returns how many.
+
+        With ``confirm`` (the periodic sweep) a run of another coordinator is adopted only
+        when its lease was missing on the previous sweep too, so that a coordinator that
+        lost Redis for a moment has renewed its lease before anyone takes its runs."""
         active = await self.redis.hgetall(ACTIVE_KEY)
         failed = 0
+        suspects: set[tuple[str, str]] = set()
         for raw_id, raw_owner in active.items():
             run_id, owner = raw_id.decode(), raw_owner.decode()
-            if run_id in self.live:
+            if run_id in self.live or run_id in self.unrecorded:
                 continue
-            alive = owner != self.owner_id and await self.redis.exists(
-                f"omniflow:coordinator:{owner}:lease"
-            )
-            if alive:
-                continue
+            if owner != self.owner_id:
+                if await self.redis.exists(lease_key(owner)):
+                    continue
+                if confirm and (run_id, owner) not in self._suspects:
+                    suspects.add((run_id, owner))
+                    continue
+            if not await self._claim(
+                keys=[ACTIVE_KEY, lease_key(owner)], args=[run_id, owner, self.owner_id]
+            ):
+                continue  # another coordinator adopted it, or its owner came back
             await self._fail_orphan(run_id, owner)
             failed += 1
+        self._suspects = suspects
         if failed:
-            log.warning("marked %d interrupted run(s) failed", failed)
+            log.warning("adopted and marked %d interrupted run(s) failed", failed)
         return failed
 
     async def _fail_orphan(self, run_id: str, owner: str) -> None:
@@ -234,21 +280,31 @@ class RunManager:
         await self.redis.hdel(ACTIVE_KEY, run_id)
 
     async def _refresh_lease(self) -> None:
-        await self.redis.set(
-            f"omniflow:coordinator:{self.owner_id}:lease", "1", px=int(self.lease_ttl_s * 1000)
-        )
+        await self.redis.set(lease_key(self.owner_id), "1", px=int(self.lease_ttl_s * 1000))
 
     async def _lease_loop(self) -> None:
+        period = self.lease_ttl_s / 3
+        delay = period
         while True:
-            await asyncio.sleep(self.lease_ttl_s / 3)
+            await asyncio.sleep(delay)
             try:
                 await self._refresh_lease()
-            except Exception as exc:  # Redis hiccup: try again next period
-                log.warning("lease refresh failed: %s", exc)
+                await self.recover(confirm=True)
+                delay = period
+            except Exception as exc:  # Redis away: retry soon, so the lease is renewed
+                log.warning("lease refresh or adoption sweep failed: %s", exc)
+                delay = min(0.2, period)
 
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(self.flush_interval_s)
+            for run_id, (live, finished) in list(self.unrecorded.items()):
+                try:
+                    await self._flush(live, finished)
+                except Exception:
+                    break  # Redis still away: the next period tries again
+                del self.unrecorded[run_id]
+                log.info("run %s: its failed record is written now", run_id)
             for live in list(self.live.values()):
                 if live.flushed < len(live.events):
                     try:
@@ -264,14 +320,15 @@ class RunManager:
                 return  # a periodic flush that waited for the final one: nothing to add
             key = run_key(live.run.run_id)
             pending = live.events[live.flushed :]
-            if last is not None:
-                pending.append(last)
+            if last is not None and not (pending and pending[-1] is last):
+                pending.append(last)  # not yet published (an unrecorded run's already is)
             await self._write(
                 keys=[key, f"{key}:events", ACTIVE_KEY],
                 args=[
                     live.record().SerializeToString(),
                     int(self.run_ttl_s) if last is not None else 0,
                     live.run.run_id,
+                    live.flushed,
                     *[e.SerializeToString() for e in pending],
                 ],
             )
@@ -298,6 +355,7 @@ class RunManager:
     def _check_inputs(
         self, graph: cpb.WorkflowGraph, inputs: Mapping[str, common_pb2.Value]
     ) -> dict[str, Any]:
+        check_inputs_size(self.bounds, inputs)
         ports = {p.name: p for p in graph.inputs}
         for name in inputs:
             if name not in ports:
@@ -313,11 +371,6 @@ class RunManager:
                 continue
             value = to_python(inputs[name])
             check_type(value, VType(port.type), f"input {name!r}")
-            if isinstance(value, bytes) and len(value) > self.max_inline_bytes:
-                raise InvalidArgument(
-                    f"input {name!r} has {len(value)} bytes inline; the limit is "
-                    f"{self.max_inline_bytes}: pass large data as a TensorRef"
-                )
             values[name] = value
         return values
 
@@ -457,27 +510,59 @@ class RunManager:
         finished = live.event(
             run_finished=cpb.RunFinished(state=state, outputs=out_values, error=error)  # type: ignore[arg-type]
         )
-        if state != cpb.RUN_STATE_SUCCEEDED:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
-        span.end()
         try:
             # In Redis first, then visible: see the module docstring.
             await asyncio.shield(self._final_flush(live, finished))
         except Exception as exc:
-            log.error("could not record run %s: %s", run.run_id, exc)
+            finished = self._unrecordable(live, exc)
+            state, error = cpb.RUN_STATE_FAILED, finished.run_finished.error
         finally:
+            if state != cpb.RUN_STATE_SUCCEEDED:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+            span.end()
             live.publish(finished, at_once=True)
             self.live.pop(run.run_id, None)
+
+    def _unrecordable(self, live: LiveRun, exc: Exception) -> cpb.RunEvent:
+        """The run's end when its record cannot be written: FAILED with an UNAVAILABLE
+        reason (kept here and written once Redis answers), never a success nobody stored."""
+        run = live.run
+        was = cpb.RunState.Name(run.state).removeprefix("RUN_STATE_").lower()
+        reason = (
+            f"UNAVAILABLE: the run ended ({was}) but Redis did not take its record for "
+            f"{self.record_retry_s:.0f} s ({type(exc).__name__}: {exc}); reported failed "
+            "instead of finished unrecorded: submit it again"
+        )
+        log.error("run %s: %s", run.run_id, reason)
+        run.state, run.error = cpb.RUN_STATE_FAILED, reason
+        run.outputs.clear()
+        finished = live.event(
+            run_finished=cpb.RunFinished(state=cpb.RUN_STATE_FAILED, error=reason)
+        )
+        self.unrecorded[run.run_id] = (live, finished)
+        return finished
 
     async def _final_flush(self, live: LiveRun, finished: cpb.RunEvent) -> None:
         if live.registered is not None:
             # Its entry must be in Redis before the final write removes it.
             with contextlib.suppress(Exception):
                 await live.registered
-        await self._flush(live, finished)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.record_retry_s
+        delay = 0.05
+        while True:
+            try:
+                await self._flush(live, finished)
+                return
+            except Exception as exc:
+                if loop.time() + delay > end:
+                    raise
+                log.warning("run %s: final write failed (%s); retrying", live.run.run_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def get(self, run_id: str) -> cpb.Run:
-        live = self.live.get(run_id)
+        live = self.live.get(run_id) or self.unrecorded.get(run_id, (None,))[0]
         if live is not None:
             return live.record()
         data = await self.redis.get(run_key(run_id))
@@ -491,6 +576,11 @@ class RunManager:
     async def events(self, run_id: str, from_seq: int = 0) -> AsyncIterator[cpb.RunEvent]:
         """Every event with ``seq >= from_seq``, then live ones until the run finishes."""
         live = self.live.get(run_id)
+        if live is None and run_id in self.unrecorded:
+            done, _ = self.unrecorded[run_id]
+            for ev in done.events[max(from_seq - 1, 0) :]:  # RunFinished included
+                yield ev
+            return
         if live is None:
             async for ev in self._stored_events(run_id, from_seq):
                 yield ev

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.errors import InvalidArgument, Unavailable
+from omniflow.localredis import redact_url, redis_client
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime, ServiceApp
@@ -21,6 +22,7 @@ from omniflow_services.coordinator.caller import GrpcWorkerCaller
 from omniflow_services.coordinator.config import CoordinatorSettings
 from omniflow_services.coordinator.core import WorkflowCatalogue
 from omniflow_services.coordinator.kvhints import KVHinter
+from omniflow_services.coordinator.limits import RunLimits
 from omniflow_services.coordinator.runs import RunManager
 
 log = logging.getLogger(__name__)
@@ -134,13 +136,12 @@ class CoordinatorApp(ServiceApp):
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self._redis = aioredis.from_url(
-            self.settings.redis_url, socket_timeout=self.settings.call_timeout_s
-        )
+        self._redis = redis_client(self.settings.redis_url, self.settings.call_timeout_s)
         try:
             await self._redis.ping()
         except Exception as exc:
-            raise Unavailable(f"Redis at {self.settings.redis_url} does not answer: {exc}") from exc
+            where = redact_url(self.settings.redis_url)
+            raise Unavailable(f"Redis at {where} does not answer: {exc}") from exc
         self._caller = GrpcWorkerCaller(
             self._router_stub,
             pick_timeout_s=self.settings.pick_timeout_s,
@@ -156,6 +157,14 @@ class CoordinatorApp(ServiceApp):
             run_ttl_s=s.run_ttl_s,
             max_inline_bytes=s.max_inline_bytes,
             lease_ttl_s=max(s.registration_ttl_s, 1.0),
+            record_retry_s=s.record_retry_s,
+            limits=RunLimits(
+                max_inline_bytes=s.max_inline_bytes,
+                max_input_bytes=s.max_input_bytes,
+                max_graph_nodes=s.max_graph_nodes,
+                max_graph_depth=s.max_graph_depth,
+                max_graph_bytes=s.max_graph_bytes,
+            ),
         )
         await self._runs.start()
 

@@ -28,6 +28,7 @@ from omniflow.kv.wire import (
     tier_from_proto,
     tier_to_proto,
 )
+from omniflow.localredis import redact_url, redis_client
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow_services.kv_index.config import KVIndexSettings
 from omniflow_services.kv_index.core import KVIndex, LeaseStatus, OwnerInfo, OwnerKind
@@ -222,12 +223,7 @@ class KVIndexApp(ServiceApp):
 
     async def start(self, runtime: Runtime) -> None:
         s = self.settings
-        self.redis = aioredis.from_url(
-            s.redis_url,
-            socket_timeout=s.call_timeout_s,
-            socket_connect_timeout=s.call_timeout_s,
-            decode_responses=False,
-        )
+        self.redis = redis_client(s.redis_url, s.call_timeout_s, decode_responses=False)
         core = KVIndex(
             self.redis,
             prefix=s.key_prefix,
@@ -237,10 +233,10 @@ class KVIndexApp(ServiceApp):
         try:
             await core.start()
         except Unavailable as exc:
-            raise Unavailable(f"Redis at {s.redis_url} does not answer: {exc}") from exc
+            raise Unavailable(f"Redis at {redact_url(s.redis_url)} does not answer: {exc}") from exc
         self.core = core
         self._sweeper = asyncio.create_task(core.maintenance_loop(s.sweep_interval_s, self._stop))
-        log.info("kv index on %s, run %s", s.redis_url, core.run_id)
+        log.info("kv index on %s, run %s", redact_url(s.redis_url), core.run_id)
 
     def metadata(self) -> dict[str, str]:
         return {"hash_bytes": str(HASH_BYTES)}

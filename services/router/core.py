@@ -237,9 +237,12 @@ class WorkerTable:
         if ticket is not None:
             live.outstanding.pop(ticket, None)
             live.queued.pop(ticket, None)
-        if not success and code in NEUTRAL_CODES:
-            return
         assert live.breaker is not None
+        if not success and code in NEUTRAL_CODES:
+            # Says nothing about the worker (e.g. a pick made ahead and never used); a
+            # half-open breaker's trial that never ran lets the next pick be the trial.
+            live.breaker.trial_out = False
+            return
         if live.breaker.record(success, time.monotonic()):
             self.count("breaker_opened")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from omniflow.cli.topology import Topology
-from omniflow.localredis import start_redis
+from omniflow.localredis import redact_url, start_redis
 from omniflow.rpc.client import check_health
 
 STATE = "state.json"
@@ -65,7 +66,11 @@ def _load_state(folder: Path) -> tuple[list[Proc], dict[str, str]]:
 
 def _save_state(folder: Path, procs: list[Proc], env: dict[str, str]) -> None:
     tmp = folder / (STATE + ".tmp")
-    tmp.write_text(json.dumps({"procs": [asdict(p) for p in procs], "env": env}, indent=1))
+    # 0600: the env holds the Redis URL with its password.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps({"procs": [asdict(p) for p in procs], "env": env}, indent=1))
+    os.chmod(tmp, 0o600)  # an older file of this name may have had other bits
     tmp.replace(folder / STATE)
 
 
@@ -169,12 +174,15 @@ async def up(topology: Topology, start_timeout_s: float = 120.0) -> int:
     try:
         redis_url = os.environ.get("OMNIFLOW_REDIS_URL", "")
         if not redis_url:
-            redis = start_redis(dir=folder / "redis")
+            # Persistent (AOF, fsync every second) and with a password of this run folder.
+            redis = start_redis(
+                dir=folder / "redis", persist=True, password=secrets.token_urlsafe(24)
+            )
             redis_url = redis.url
             procs.append(
                 Proc("redis", "redis-server", redis.pid, str(redis.log_path), marker="redis-server")
             )
-            print(f"started redis-server (pid {redis.pid}) at {redis_url}")
+            print(f"started redis-server (pid {redis.pid}) at {redact_url(redis_url)}")
         env["OMNIFLOW_REDIS_URL"] = redis_url
         for name, module, extra in _plan(topology):
             proc = _spawn(folder, name, module, {**env, **extra})

@@ -26,7 +26,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from omniflow import errors, telemetry
-from omniflow.rpc.status import status_of
+from omniflow.rpc.status import domain_error, status_of
 
 log = logging.getLogger(__name__)
 
@@ -96,29 +96,85 @@ def _service_of(handler: Any) -> str | None:
 
 def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     short = method.rsplit("/", 1)[-1]
+    parse = _tolerant(handler.request_deserializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(
-            _wrap_unary(handler.unary_unary, method, short),
-            handler.request_deserializer,
+            _wrap_unary(handler.unary_unary, method, short, False),
+            parse,
             handler.response_serializer,
         )
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(
-            _wrap_unary(handler.stream_unary, method, short),
-            handler.request_deserializer,
+            _wrap_unary(handler.stream_unary, method, short, True),
+            parse,
             handler.response_serializer,
         )
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
-            _wrap_stream(handler.unary_stream, method, short),
-            handler.request_deserializer,
+            _wrap_stream(handler.unary_stream, method, short, False),
+            parse,
             handler.response_serializer,
         )
     return grpc.stream_stream_rpc_method_handler(
-        _wrap_stream(handler.stream_stream, method, short),
-        handler.request_deserializer,
+        _wrap_stream(handler.stream_stream, method, short, True),
+        parse,
         handler.response_serializer,
     )
+
+
+class _Undecodable:
+    """What a request that does not parse becomes: the handler answers INVALID_ARGUMENT
+    (gRPC itself would answer INTERNAL and log a traceback per message)."""
+
+    __slots__ = ("error", "size")
+
+    def __init__(self, error: Exception, size: int) -> None:
+        self.error, self.size = error, size
+
+
+def _tolerant(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if parse is None:
+        return None
+
+    def tolerant(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # any parse failure is the sender's
+            return _Undecodable(exc, len(data))
+
+    return tolerant
+
+
+#: client host -> monotonic time its last undecodable message was logged
+_LOGGED_BAD: dict[str, float] = {}
+BAD_MESSAGE_LOG_INTERVAL_S = 60.0
+
+
+def _undecodable(context: grpc.aio.ServicerContext, bad: _Undecodable, short: str) -> Exception:
+    """The INVALID_ARGUMENT for an undecodable request; logged once per client per minute."""
+    peer = context.peer() or "unknown"
+    host = peer.rsplit(":", 1)[0]  # "ipv4:127.0.0.1:52114" -> one entry per host, not port
+    now = time.monotonic()
+    if now - _LOGGED_BAD.get(host, -BAD_MESSAGE_LOG_INTERVAL_S) >= BAD_MESSAGE_LOG_INTERVAL_S:
+        if len(_LOGGED_BAD) > 4096:
+            _LOGGED_BAD.clear()  # bounded: a flood of hosts costs a log line each at most
+        _LOGGED_BAD[host] = now
+        log.warning(
+            "%s: undecodable request of %d bytes from %s (%s); further ones from this "
+            "client are not logged for %.0f s",
+            short, bad.size, peer, bad.error, BAD_MESSAGE_LOG_INTERVAL_S,
+        )  # fmt: skip
+    return errors.InvalidArgument(
+        f"{short}: the request ({bad.size} bytes) is not a valid protobuf message of this "
+        "method's request type"
+    )
+
+
+async def _checked(requests: AsyncIterator[Any], context: Any, short: str) -> AsyncIterator[Any]:
+    async for item in requests:
+        if type(item) is _Undecodable:
+            raise _undecodable(context, item, short)
+        yield item
 
 
 def _propagator() -> Any:
@@ -179,8 +235,9 @@ async def _fail(
     context: grpc.aio.ServicerContext, span: trace.Span, exc: BaseException, short: str
 ) -> None:
     """Abort the RPC with the status of ``exc`` (the error table), recording it on the span."""
-    if isinstance(exc, errors.OmniflowError):
-        code, message = status_of(exc), str(exc)
+    mapped = domain_error(exc)
+    if mapped is not None:
+        code, message = status_of(mapped), str(mapped)
     else:
         log.exception("%s failed", short)
         code, message = grpc.StatusCode.INTERNAL, f"internal error in {short}: {exc!r}"
@@ -188,13 +245,19 @@ async def _fail(
     await context.abort(code, message)
 
 
-def _wrap_unary(behavior: Callable[..., Any], method: str, short: str) -> Callable[..., Any]:
+def _wrap_unary(
+    behavior: Callable[..., Any], method: str, short: str, streamed: bool
+) -> Callable[..., Any]:
     stats = _MethodStats(method)
 
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
         span, token, dl_token = _enter(context, method)
         try:
+            if streamed:
+                request = _checked(request, context, short)
+            elif type(request) is _Undecodable:
+                raise _undecodable(context, request, short)
             return await behavior(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -207,10 +270,12 @@ def _wrap_unary(behavior: Callable[..., Any], method: str, short: str) -> Callab
     return handle
 
 
-def _wrap_stream(behavior: Callable[..., Any], method: str, short: str) -> Callable[..., Any]:
+def _wrap_stream(
+    behavior: Callable[..., Any], method: str, short: str, streamed: bool
+) -> Callable[..., Any]:
     if not inspect.isasyncgenfunction(behavior):
         # A handler that writes with context.write() is a plain coroutine.
-        return _wrap_unary(behavior, method, short)
+        return _wrap_unary(behavior, method, short, streamed)
 
     stats = _MethodStats(method)
 
@@ -218,6 +283,10 @@ def _wrap_stream(behavior: Callable[..., Any], method: str, short: str) -> Calla
         started = time.perf_counter()
         span, token, dl_token = _enter(context, method)
         try:
+            if streamed:
+                request = _checked(request, context, short)
+            elif type(request) is _Undecodable:
+                raise _undecodable(context, request, short)
             async for item in behavior(request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):

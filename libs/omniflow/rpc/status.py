@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import redis.exceptions as redis_exc
 
 from omniflow import errors
 
@@ -26,6 +27,24 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.OmniflowError]] = {
 def status_of(exc: errors.OmniflowError) -> grpc.StatusCode:
     """The gRPC status code of a domain error."""
     return grpc.StatusCode[exc.code_name]
+
+
+# Failures of a dependency that say "not now", not "a bug": Redis refusing connections,
+# timing out or still loading its AOF (BusyLoadingError is a ConnectionError).
+_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    redis_exc.ConnectionError,
+    redis_exc.TimeoutError,
+)
+
+
+def domain_error(exc: BaseException) -> errors.OmniflowError | None:
+    """``exc`` as a domain error: itself, an infrastructure failure mapped once here
+    (Redis down → Unavailable), or None for anything else (a bug → INTERNAL)."""
+    if isinstance(exc, errors.OmniflowError):
+        return exc
+    if isinstance(exc, _UNAVAILABLE_ERRORS):
+        return errors.Unavailable(f"Redis does not answer ({type(exc).__name__}: {exc}); retry")
+    return None
 
 
 def error_from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError) -> errors.OmniflowError:
