@@ -1,44 +1,66 @@
 """Incremental detokenization with stop strings.
 
-Decodes a sliding window of the output ids so each step costs O(window), holds back
-incomplete UTF-8 (a trailing U+FFFD) and, when stop strings are set, the last
-``max(len(stop)) - 1`` characters, which might be the start of a stop string.
+Each output token goes through a ``tokenizers.decoders.DecodeStream`` primed with the
+prompt's last tokens: a chunk is the text the token adds after what came before, so the
+streamed text equals the decoded whole, a SentencePiece-style (Metaspace) first token keeps
+its leading space (decoded alone, its "▁" would be stripped as the start of a text), and an
+incomplete UTF-8 sequence waits for the token that completes it. When stop strings are set,
+the last ``max(len(stop)) - 1`` characters are held back, since they might be the start of a
+stop string.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+#: Prompt tokens the stream is primed with: enough context for a word boundary.
+PRIME_TOKENS = 8
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+    """Text of one request's output tokens, as they come.
+
+    ``prompt`` is the request's prompt ids (the tail primes the stream); ids outside the
+    vocabulary (multimodal pad ids) are left out of the priming.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: tuple[str, ...],
+        prompt: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tok = tokenizer
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
-        self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        tail = [t for t in prompt[-PRIME_TOKENS:] if 0 <= t < vocab]
+        self._stream = DecodeStream(ids=tail, skip_special_tokens=skip_special_tokens)
+        self._vocab = vocab
         self.text = ""
         self._emitted = 0
 
     def add(self, token_id: int) -> bool:
         """Add one output token; True when the text now contains a stop string (text cut)."""
-        self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            start = len(self.text)
-            self.text += full[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            if self._stop:
-                window = self.text[max(0, start - self._hold) :]
-                base = max(0, start - self._hold)
-                hits = [window.find(s) for s in self._stop]
-                hits = [h for h in hits if h >= 0]
-                if hits:
-                    self.text = self.text[: base + min(hits)]
-                    return True
+        if not 0 <= token_id < self._vocab:
+            return False
+        chunk = self._stream.step(self._tok, token_id)
+        if not chunk:
+            return False
+        start = len(self.text)
+        self.text += chunk
+        if self._stop:
+            base = max(0, start - self._hold)
+            window = self.text[base:]
+            hits = [h for h in (window.find(s) for s in self._stop) if h >= 0]
+            if hits:
+                self.text = self.text[: base + min(hits)]
+                return True
         return False
 
     def delta(self, final: bool) -> str:

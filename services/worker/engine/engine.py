@@ -192,7 +192,7 @@ class Engine:
         if p.penalised:
             seq.penalty = PenaltyState(p, ids, self.model_config.vocab_size, self._device)
         if self.tokenizer is not None:
-            seq.detok = Detokenizer(self.tokenizer, p.stop)
+            seq.detok = Detokenizer(self.tokenizer, p.stop, ids)  # primed with the prompt
         with self._id_lock:
             if req.request_id in self._seqs:
                 raise InvalidArgument(f"request_id {req.request_id!r} is already running")
