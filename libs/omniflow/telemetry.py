@@ -8,15 +8,21 @@ caller's context still passes through to every downstream call, so a service tha
 export keeps the trace connected). The W3C ``traceparent`` header carries the context
 across every gRPC hop.
 
-Metrics are Prometheus counters and histograms served on an HTTP port per service.
+Metrics are Prometheus counters and histograms served on an HTTP port per service, named
+``omniflow_<service>_<what>_<unit>``. Values a service already keeps (queue lengths, pool
+usage, counters of a core with no Prometheus import) are read at scrape time through
+``add_sampler``.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
-from collections.abc import MutableMapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from dataclasses import dataclass
 
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -27,7 +33,9 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
     SpanExporter,
 )
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,11 @@ RPC_SECONDS = Histogram(
     ["method"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+
+# Latency buckets for calls and steps that take from a fraction of a millisecond to a minute.
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+)  # fmt: skip
 
 _provider: TracerProvider | None = None
 
@@ -130,3 +143,88 @@ def start_metrics_server(port: int, host: str) -> int | None:
         return None
     server, _thread = start_http_server(port, addr=host)
     return int(server.server_port)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One value read at scrape time: a gauge, or a counter when ``counter`` (its name then
+    ends in ``_total``). ``labels`` are (name, value) pairs, the same names for every sample
+    of one metric."""
+
+    name: str
+    doc: str
+    value: float
+    labels: tuple[tuple[str, str], ...] = ()
+    counter: bool = False
+
+
+Sampler = Callable[[], Iterable[Sample]]
+
+
+class _Sampled(Collector):
+    """Every sampler of the process, read on each scrape. Samples of one name and labels
+    from several samplers (several apps in one test process) are summed, so that each
+    series appears once."""
+
+    def __init__(self) -> None:
+        self._samplers: dict[int, Sampler] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def add(self, sampler: Sampler) -> Callable[[], None]:
+        with self._lock:
+            key = next(self._ids)
+            self._samplers[key] = sampler
+
+        def remove() -> None:
+            with self._lock:
+                self._samplers.pop(key, None)
+
+        return remove
+
+    def describe(self) -> list[Metric]:
+        return []  # names vary with what is running: no duplicate check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            samplers = list(self._samplers.values())
+        values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        meta: dict[str, Sample] = {}
+        for sampler in samplers:
+            try:
+                samples = list(sampler())
+            except Exception as exc:  # the scrape thread reads live state: skip, never fail
+                log.debug("metrics sampler %r failed: %s", sampler, exc)
+                continue
+            for sample in samples:
+                meta.setdefault(sample.name, sample)
+                key = (sample.name, sample.labels)
+                values[key] = values.get(key, 0.0) + sample.value
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for (name, labels), value in values.items():
+            family = families.get(name)
+            if family is None:
+                first = meta[name]
+                label_names = [k for k, _ in first.labels]
+                if first.counter:
+                    family = CounterMetricFamily(
+                        name.removesuffix("_total"), first.doc, labels=label_names
+                    )
+                else:
+                    family = GaugeMetricFamily(name, first.doc, labels=label_names)
+                families[name] = family
+            family.add_metric([v for _, v in labels], value)
+        yield from families.values()
+
+
+_SAMPLED = _Sampled()
+REGISTRY.register(_SAMPLED)
+
+
+def add_sampler(sampler: Sampler) -> Callable[[], None]:
+    """Read ``sampler`` on every scrape of this process's metrics; returns its remover.
+
+    It runs on the metrics server's thread: read plain attributes and lengths of the
+    live state, take no asyncio locks, and keep it cheap.
+    """
+    return _SAMPLED.add(sampler)

@@ -37,6 +37,7 @@ from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.dsl.validate import LOOP_ITERATION_INPUT
 from omniflow.errors import DeadlineExceeded, OmniflowError
 from omniflow.values import to_python
+from omniflow_services.coordinator import metrics
 from omniflow_services.coordinator.calls import (
     PICK_AHEAD_MAX_AGE_S,
     UNUSED_PICK_CODE,
@@ -444,6 +445,7 @@ class Executor:
                 else:
                     elapsed = (time.perf_counter() - started) * 1e3
                     self.limits.took(path, elapsed / 1e3)
+                    metrics.node_called(spec.role, spec.operation, "OK", elapsed / 1e3)
                     await self.caller.report(target, True, elapsed, "")
                     for (_, output), stream in outs.items():
                         if not stream.chunks and output in result:
@@ -451,6 +453,7 @@ class Executor:
                     self.sink.node_finished(path, cpb.RUN_STATE_SUCCEEDED, "", elapsed)
                     return result
                 elapsed = (time.perf_counter() - started) * 1e3
+                metrics.node_called(spec.role, spec.operation, error.code_name, elapsed / 1e3)
                 where = f" on worker {target.worker_id}" if target else ""
                 if target is not None:
                     await self.caller.report(target, False, elapsed, error.code_name)

@@ -47,6 +47,7 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from omniflow.values import VType, check_type, from_python, to_python
+from omniflow_services.coordinator import metrics
 from omniflow_services.coordinator.calls import (
     PickAhead,
     WorkerCaller,
@@ -449,6 +450,7 @@ class RunManager:
         run.trace_id = current_trace_id()
         live = LiveRun(run)
         self.live[run_id] = live
+        metrics.run_started()
         # The run starts while its active entry is written (its first Pick overlaps the
         # Redis round trip); submit returns the id only once the entry is in Redis, so
         # that a run a client knows of is always accounted for after a crash.
@@ -520,6 +522,7 @@ class RunManager:
             if state != cpb.RUN_STATE_SUCCEEDED:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, error))
             span.end()
+            metrics.run_finished(state)
             live.publish(finished, at_once=True)
             self.live.pop(run.run_id, None)
 

@@ -30,6 +30,7 @@ from omniflow.kv.index_link import IndexLink
 from omniflow.kv.wire import check_hashes, parse_namespace, tier_from_proto, tier_to_proto
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import error_from_rpc
+from omniflow_services.kv_agent import metrics
 from omniflow_services.kv_agent.config import KVAgentSettings
 from omniflow_services.kv_agent.host_tier import HEADER_BYTES
 from omniflow_services.kv_agent.nixl_channel import NixlChannel, nixl_unavailable_reason
@@ -193,6 +194,7 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
                             last=end == pb,
                         )
                     self.app.counters.pages_sent += 1
+                    metrics.transferred("grpc", "out", 1, pb)
             finally:
                 for handle in handles:
                     pool.store.release(handle)
@@ -367,6 +369,7 @@ class KVAgentApp(ServiceApp):
         self._link: IndexLink | None = None
         self._puller: Puller | None = None
         self._upkeep: asyncio.Task[None] | None = None
+        self._unwatch = metrics.watch(lambda: self._pools, lambda: self._tensors)
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         kvagent_pb2_grpc.add_KVAgentServiceServicer_to_server(KVAgentServicer(self), server)
@@ -486,6 +489,7 @@ class KVAgentApp(ServiceApp):
                 log.exception("kv agent upkeep failed")
 
     async def stop(self) -> None:
+        self._unwatch()
         if self._upkeep is not None:
             self._upkeep.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -26,6 +26,7 @@ from omniflow.kv.blocks import HASH_BYTES
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
+from omniflow_services.kv_agent import metrics
 from omniflow_services.kv_agent.host_tier import HEADER_BYTES
 from omniflow_services.kv_agent.nixl_channel import NixlChannel
 from omniflow_services.kv_agent.pools import PagePool
@@ -228,6 +229,7 @@ class Puller:
                 got, bad, nbytes = await self._pull_grpc(pool, namespace, window, address)
             failures += bad
             moved += nbytes
+            metrics.transferred(chosen, "in", got - bad, nbytes)
             if got < len(window):
                 break
         pulled = 0

@@ -30,6 +30,7 @@ from omniflow.kv.wire import (
 )
 from omniflow.localredis import redact_url, redis_client
 from omniflow.rpc.server import Runtime, ServiceApp
+from omniflow_services.kv_index import metrics
 from omniflow_services.kv_index.config import KVIndexSettings
 from omniflow_services.kv_index.core import KVIndex, LeaseStatus, OwnerInfo, OwnerKind
 
@@ -138,6 +139,9 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
     ) -> kvindex_pb2.PublishEventsResponse:
         events = events_from_proto(list(request.events))
         res = await self.core.apply_events(request.owner_id, request.epoch, request.seq, events)
+        metrics.BATCHES.labels("accepted" if res.ok else res.status.name.lower()).inc()
+        if res.ok:
+            metrics.ingested(events)
         return kvindex_pb2.PublishEventsResponse(
             accepted=res.ok,
             expected_seq=res.expected_seq,
@@ -165,6 +169,8 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
         if header is None:
             raise InvalidArgument("a snapshot needs at least one chunk (the header)")
         res = await self.core.snapshot(header.owner_id, header.epoch, entries, header.seq)
+        metrics.SNAPSHOTS.inc()
+        metrics.SNAPSHOT_BLOCKS.inc(len(entries))
         return kvindex_pb2.SnapshotResponse(blocks=res.blocks, next_seq=res.next_seq)
 
     async def MatchPrefix(
@@ -172,7 +178,10 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
     ) -> kvindex_pb2.MatchPrefixResponse:
         ns = parse_namespace(request.namespace)
         hashes = check_hashes(request.block_hashes, self.core.max_hashes)
-        res = await self.core.match_prefix(ns, hashes)
+        with metrics.MATCH_SECONDS.time():
+            res = await self.core.match_prefix(ns, hashes)
+        metrics.MATCH_BLOCKS.labels("asked").inc(len(hashes))
+        metrics.MATCH_BLOCKS.labels("held").inc(res.longest_prefix)
         return kvindex_pb2.MatchPrefixResponse(
             longest_prefix=res.longest_prefix,
             owners=[
@@ -216,6 +225,7 @@ class KVIndexApp(ServiceApp):
         self.core: KVIndex | None = None
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
+        self._gauges: asyncio.Task[None] | None = None
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         kvindex_pb2_grpc.add_KVIndexServiceServicer_to_server(KVIndexServicer(self), server)
@@ -236,6 +246,8 @@ class KVIndexApp(ServiceApp):
             raise Unavailable(f"Redis at {redact_url(s.redis_url)} does not answer: {exc}") from exc
         self.core = core
         self._sweeper = asyncio.create_task(core.maintenance_loop(s.sweep_interval_s, self._stop))
+        gauges = metrics.refresh_loop(core, max(s.sweep_interval_s, 1.0), self._stop)
+        self._gauges = asyncio.create_task(gauges)
         log.info("kv index on %s, run %s", redact_url(s.redis_url), core.run_id)
 
     def metadata(self) -> dict[str, str]:
@@ -243,8 +255,9 @@ class KVIndexApp(ServiceApp):
 
     async def stop(self) -> None:
         self._stop.set()
-        if self._sweeper is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._sweeper, self._gauges):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.redis is not None:
             await self.redis.aclose()

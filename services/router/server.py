@@ -29,6 +29,7 @@ from omniflow.rpc.interceptors import TracedChannel, remaining_s
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import error_from_rpc
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
+from omniflow_services.router import metrics
 from omniflow_services.router.config import RouterSettings
 from omniflow_services.router.core import PickResult, WorkerTable
 from omniflow_services.router.kvmatch import GrpcPrefixIndex, PrefixIndex, RedisPrefixIndex
@@ -254,6 +255,7 @@ class RouterApp(ServiceApp):
         self._tasks: list[asyncio.Task[None]] = []
         self._channels: dict[str, TracedChannel] = {}
         self.index: PrefixIndex | None = None
+        self._unwatch = metrics.watch(self.table)
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(self), server)
@@ -299,11 +301,12 @@ class RouterApp(ServiceApp):
     ) -> PickResult:
         if not role:
             raise InvalidArgument("role is required (e.g. 'llm', 'encoder', 'diffusion')")
+        started = time.perf_counter()
         strategy = strategy_name(strategy_enum, self.settings.strategy_for(role))
         reach, fallback = None, ""
         if strategy == "kv_aware":
             reach, fallback = await self._match(namespace, hashes or [])
-        return self.table.pick(
+        result = self.table.pick(
             role,
             strategy,
             exclude,
@@ -315,6 +318,8 @@ class RouterApp(ServiceApp):
             load_weight=self.settings.kv_load_weight,
             fallback_reason=fallback,
         )
+        metrics.picked(result, time.perf_counter() - started)
+        return result
 
     async def _match(self, namespace: str, hashes: list[bytes]) -> tuple[Any, str]:
         if not hashes:
@@ -385,6 +390,7 @@ class RouterApp(ServiceApp):
         return reply.load
 
     async def stop(self) -> None:
+        self._unwatch()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

