@@ -5,12 +5,19 @@ with it. A puller learns the source's NIXL metadata (``GetTransport``) and arena
 (``GetArena``) over gRPC, pins the pages there (``LocatePages``), and READs the slots
 straight into slots it reserved in its own arena; the page checksums then decide what is
 kept. Every NIXL call runs on one thread of its own (the library is not async).
+
+UCX progress is event-driven: NIXL's progress thread sleeps in ``poll()`` on the UCX
+workers' event fds and wakes when there is work (or every ``PROGRESS_WAKEUP_US`` as a
+safety net). The nixl Python wrapper hard-codes the poll timeout to 0, which makes that
+thread spin a whole core at idle; ``_agent_with_wakeup`` builds the agent with a timeout.
+A puller's own transfers also progress while it polls their state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +26,10 @@ from typing import Any
 from omniflow.errors import DeadlineExceeded, Unavailable
 
 log = logging.getLogger(__name__)
+
+# The progress thread's poll() timeout when no event arrives (NIXL's listener uses 100 ms).
+PROGRESS_WAKEUP_US = 100_000
+_CONFIG_LOCK = threading.Lock()
 
 
 def nixl_unavailable_reason() -> str | None:
@@ -30,15 +41,42 @@ def nixl_unavailable_reason() -> str | None:
     return None
 
 
+def _agent_with_wakeup(name: str, delay_us: int = PROGRESS_WAKEUP_US) -> Any:
+    """A UCX ``nixl_agent`` whose progress thread waits on events instead of spinning.
+
+    ``nixl_agent.__init__`` sets ``pthrDelay = 0`` on the binding's config object; for the
+    duration of the construction the binding's config class is replaced by a subclass that
+    stores ``delay_us`` instead. Falls back to the stock agent if the binding changed shape.
+    """
+    import nixl._api as api
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    conf = nixl_agent_config(backends=["UCX"])
+    base = api.nixlBind.nixlAgentConfig
+    prop = base.__dict__.get("pthrDelay")
+    if not hasattr(prop, "__set__"):
+        log.warning("nixl: cannot set the progress thread's poll timeout; it may spin")
+        return nixl_agent(name, conf)
+
+    def _set(cfg: Any, _value: int) -> None:
+        prop.__set__(cfg, delay_us)
+
+    patched = type("AgentConfigWithWakeup", (base,), {"pthrDelay": property(prop.__get__, _set)})
+    with _CONFIG_LOCK:
+        api.nixlBind.nixlAgentConfig = patched
+        try:
+            return nixl_agent(name, conf)
+        finally:
+            api.nixlBind.nixlAgentConfig = base
+
+
 class NixlChannel:
     """One NIXL agent (UCX backend) for this process."""
 
     def __init__(self, name: str) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.name = name
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="nixl")
-        self._agent: Any = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._agent: Any = _agent_with_wakeup(name)
         self._registered: list[Any] = []
         self._remotes: dict[str, bytes] = {}  # remote agent name → metadata it was added with
 

@@ -45,6 +45,20 @@ class WorkerSettings(CommonSettings):
     kv_agent_addr: str = setting(
         "OMNIFLOW_KV_AGENT_ADDR", "", "this node's kv-agent; empty: found through discovery"
     )
+    torch_threads: int = setting(
+        "OMNIFLOW_WORKER_TORCH_THREADS",
+        0,
+        "torch/OpenMP threads of this worker; 0: the node's cores divided among its torch "
+        "workers (OMNIFLOW_NODE_TORCH_WORKERS), at least 1",
+        minimum=0,
+    )
+    node_torch_workers: int = setting(
+        "OMNIFLOW_NODE_TORCH_WORKERS",
+        1,
+        "torch worker processes on this node (set by `omniflow up` and compose); sizes the "
+        "default thread budget",
+        minimum=1,
+    )
     kv_connect: bool = setting(
         "OMNIFLOW_WORKER_KV_CONNECT",
         True,

@@ -10,6 +10,7 @@ from omniflow.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from omniflow.models.resolve import resolve_model
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.engine import Engine, EngineConfig
+from omniflow_services.worker.engine.threads import apply_thread_budget, thread_budget
 from omniflow_services.worker.llm import LLMRole
 from omniflow_services.worker.mm.loading import LoadedRoles, load_roles
 
@@ -43,6 +44,8 @@ class WorkerCore:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.role = settings.role
+        # Before any torch op of this process (the engine is loaded later).
+        apply_thread_budget(thread_budget(settings.torch_threads, settings.node_torch_workers))
         self.model = ""
         self.llm: LLMRole | None = None
         self.mm: LoadedRoles | None = None  # encoder, diffusion or talker models
@@ -54,6 +57,8 @@ class WorkerCore:
     @property
     def operations(self) -> tuple[str, ...]:
         ops = ROLE_OPERATIONS.get(self.role, ()) if self.model else ()
+        if self.mm is not None and self.mm.encoder is not None:
+            ops += self.mm.encoder.operations  # transcribe, with a Whisper model
         if self.llm is not None and isinstance(self.llm.engine, Engine):
             ops += ENGINE_FEATURES
         return ops

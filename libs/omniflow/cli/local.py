@@ -17,6 +17,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -112,8 +114,9 @@ async def _wait_ready(folder: Path, proc: Proc, timeout_s: float) -> None:
                 f"{proc.name} exited during start; log {proc.log}:\n{_tail(proc.log)}"
             )
         if ready.exists():
-            proc.address = json.loads(ready.read_text())["address"]
-            if await check_health(proc.address) == "SERVING":
+            info = json.loads(ready.read_text())
+            proc.address = info.get("url") or info["address"]  # the gateway's is an HTTP URL
+            if await _health(proc.address) == "SERVING":
                 return
         await asyncio.sleep(0.1)
     raise RuntimeError(
@@ -129,13 +132,37 @@ def _plan(topology: Topology) -> list[tuple[str, str, dict[str, str]]]:
         ("router", "router", {}),
         ("coordinator", "coordinator", {}),
     ]
+    # Every worker is a torch process: each gets its share of this node's cores.
+    torch_workers = str(sum(spec.count for spec in topology.workers) or 1)
     for spec in topology.workers:
         for i in range(spec.count):
-            env = {"OMNIFLOW_WORKER_ROLE": spec.role, **spec.env}
+            env = {
+                "OMNIFLOW_WORKER_ROLE": spec.role,
+                "OMNIFLOW_NODE_TORCH_WORKERS": torch_workers,
+                **spec.env,
+            }
             if spec.model:
                 env["OMNIFLOW_WORKER_MODEL"] = spec.model
             plan.append((f"{spec.role}-{i + 1}", "worker", env))
+    plan.append(("gateway", "gateway", {}))  # the OpenAI HTTP API, once workers serve
     return plan
+
+
+async def _health(address: str) -> str:
+    """gRPC health of a service, or ``GET /health`` of one whose address is an HTTP URL."""
+    if not address.startswith("http://"):
+        return await check_health(address, timeout_s=1.0)
+
+    def get() -> str:
+        try:
+            with urllib.request.urlopen(f"{address}/health", timeout=1.0) as reply:
+                return "SERVING" if reply.status == 200 else "NOT_SERVING"
+        except urllib.error.HTTPError:
+            return "NOT_SERVING"
+        except OSError:
+            return "UNREACHABLE"
+
+    return await asyncio.to_thread(get)
 
 
 def print_table(procs: list[Proc], statuses: list[str]) -> None:
@@ -155,7 +182,7 @@ async def _statuses(procs: list[Proc]) -> list[str]:
             return "EXITED"
         if not p.address:  # redis: alive is all we check
             return "RUNNING"
-        return await check_health(p.address, timeout_s=1.0)
+        return await _health(p.address)
 
     return list(await asyncio.gather(*(one(p) for p in procs)))
 
