@@ -44,3 +44,13 @@ def ref_model(smol: Smol) -> torch.nn.Module:
         smol.gguf.parent, gguf_file=smol.gguf.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def pulled_models(smol_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model cache with ``smollm2-135m-instruct`` pulled into it (once per session)."""
+    from omniflow.models.sources import pull
+
+    root = tmp_path_factory.mktemp("model-cache")
+    pull("smollm2-135m-instruct", root, progress=lambda _: None)
+    return root
