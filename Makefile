@@ -15,7 +15,7 @@ help: ## list the targets
 $(VENV)/.installed: pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[worker,local,dev]'
+	$(PY) -m pip install -q -e '.[worker,local,dev,gateway]'
 	@touch $@
 
 setup: $(VENV)/.installed protos ## create .venv and install every service, extras and dev tools

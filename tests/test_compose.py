@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from omniflow.config import CommonSettings, SettingsError, load_settings
 from omniflow_services.coordinator.config import CoordinatorSettings
+from omniflow_services.gateway.config import GatewaySettings
 from omniflow_services.kv_agent.config import KVAgentSettings
 from omniflow_services.kv_index.config import KVIndexSettings
 from omniflow_services.router.config import RouterSettings
@@ -51,6 +52,7 @@ SERVICES: dict[str, tuple[type[CommonSettings], str]] = {
     "kv_index": (KVIndexSettings, "kv-index"),
     "kv_agent": (KVAgentSettings, "kv-agent"),
     "worker": (WorkerSettings, "worker"),
+    "gateway": (GatewaySettings, "gateway"),
 }
 
 
@@ -249,7 +251,8 @@ def test_services_are_wired_to_each_other(config: dict[str, Any]) -> None:
         if pkg is None:
             continue
         s = load_settings(SERVICES[pkg][0], env=_env(svc))
-        assert s.host == "0.0.0.0" and s.port > 0, f"{name}: bind 0.0.0.0 on a fixed port"
+        port = getattr(s, "http_port", s.port)  # the gateway binds its HTTP port
+        assert s.host == "0.0.0.0" and port > 0, f"{name}: bind 0.0.0.0 on a fixed port"
         assert s.advertise_host == name, f"{name}: others reach it by its service name"
         assert s.instance_id and s.instance_id not in ids, f"{name}: instance id not unique"
         ids.add(s.instance_id)

