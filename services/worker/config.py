@@ -36,7 +36,10 @@ class WorkerSettings(CommonSettings):
         "OMNIFLOW_WORKER_DEFAULT_MAX_TOKENS", 64, "max_tokens when a request sets 0", minimum=1
     )
     engine: str = setting(
-        "OMNIFLOW_WORKER_ENGINE", "torch", "engine backend", choices=("torch", "sglang")
+        "OMNIFLOW_WORKER_ENGINE",
+        "torch",
+        "engine backend (vllm: run the worker from vLLM's venv, see docs/vllm.md)",
+        choices=("torch", "sglang", "vllm"),
     )
     device: str = setting("OMNIFLOW_WORKER_DEVICE", "cpu", "torch device (cpu, cuda, cuda:1)")
     dtype: str = setting(

