@@ -46,7 +46,7 @@ def _model_dir(models: Path) -> Path:
     return resolve_model(MODEL, models)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")  # one topology for every module here: it starts slowly
 def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     try:
         binary = find_redis_server()
@@ -122,6 +122,7 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
             OMNIFLOW_GATEWAY_PORT="0",
             OMNIFLOW_GATEWAY_API_KEY=API_KEY,
             OMNIFLOW_GATEWAY_MAX_BODY_BYTES=str(256 * 1024),
+            OMNIFLOW_GATEWAY_MAX_IN_FLIGHT="2",
             OMNIFLOW_ROUTER_ADDR=router.address,
             OMNIFLOW_COORDINATOR_ADDR=coordinator.address,
             OMNIFLOW_MODELS_DIR=str(models),
