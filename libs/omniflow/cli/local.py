@@ -4,7 +4,10 @@ State lives in a run folder (``.omniflow/run`` under the current directory, or
 ``OMNIFLOW_RUN_DIR``): ``state.json`` with every process started, ``logs/`` with one
 log per service, ``ready/`` where each service writes its address once SERVING.
 ``down`` ends exactly the processes recorded there, by PID, after checking that each
-PID still runs the command that was started.
+PID still runs the command that was started. ``up`` starts a supervisor last
+(``omniflow.cli.supervise``, its PID in ``state.json``) that restarts a process that
+dies, with backoff; ``down`` ends the supervisor first. ``state.json`` is readable by its
+owner only: it holds the Redis URL with the password of the Redis ``up`` started.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from omniflow.cli.topology import Topology
@@ -27,6 +30,7 @@ from omniflow.localredis import redact_url, start_redis
 from omniflow.rpc.client import check_health
 
 STATE = "state.json"
+SUPERVISOR = "omniflow.cli.supervise"
 
 
 @dataclass(slots=True)
@@ -39,6 +43,9 @@ class Proc:
     log: str
     address: str = ""
     marker: str = ""  # a string its /proc/PID/cmdline must contain for ``down`` to end it
+    argv: list[str] = field(default_factory=list)  # redis: its command line, to restart it
+    env: dict[str, str] = field(default_factory=dict)  # what it was started with, over ours
+    restarts: int = 0  # by the supervisor
 
 
 def run_dir() -> Path:
@@ -66,12 +73,27 @@ def _load_state(folder: Path) -> tuple[list[Proc], dict[str, str]]:
     return [Proc(**p) for p in data["procs"]], data.get("env", {})
 
 
-def _save_state(folder: Path, procs: list[Proc], env: dict[str, str]) -> None:
-    tmp = folder / (STATE + ".tmp")
+def _supervisor(folder: Path) -> Proc | None:
+    """The supervisor ``up`` started for this run folder, if recorded."""
+    path = folder / STATE
+    if not path.exists():
+        return None
+    pid = int(json.loads(path.read_text()).get("supervisor", 0))
+    return Proc("supervisor", "supervisor", pid, "", marker=SUPERVISOR) if pid else None
+
+
+def _save_state(
+    folder: Path, procs: list[Proc], env: dict[str, str], supervisor: int | None = None
+) -> None:
+    if supervisor is None:  # keep the one recorded
+        sup = _supervisor(folder)
+        supervisor = sup.pid if sup is not None else 0
+    data = {"procs": [asdict(p) for p in procs], "env": env, "supervisor": supervisor}
+    tmp = folder / (STATE + f".{os.getpid()}.tmp")
     # 0600: the env holds the Redis URL with its password.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
-        out.write(json.dumps({"procs": [asdict(p) for p in procs], "env": env}, indent=1))
+        out.write(json.dumps(data, indent=1))
     os.chmod(tmp, 0o600)  # an older file of this name may have had other bits
     tmp.replace(folder / STATE)
 
@@ -93,16 +115,17 @@ def _spawn(folder: Path, name: str, module: str, env: dict[str, str]) -> Proc:
         "OMNIFLOW_READY_FILE": str(ready),
         "OMNIFLOW_INSTANCE_ID": name,
     }
+    target = module if "." in module else f"omniflow_services.{module}"
     with open(log, "ab") as out:
         p = subprocess.Popen(
-            [sys.executable, "-m", f"omniflow_services.{module}"],
+            [sys.executable, "-m", target],
             env=full_env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # survives the CLI; ended by `omniflow down`
         )
-    return Proc(name, module, p.pid, str(log), marker=f"omniflow_services.{module}")
+    return Proc(name, module, p.pid, str(log), marker=target, env=env)
 
 
 async def _wait_ready(folder: Path, proc: Proc, timeout_s: float) -> None:
@@ -143,7 +166,7 @@ def _plan(topology: Topology) -> list[tuple[str, str, dict[str, str]]]:
             }
             if spec.model:
                 env["OMNIFLOW_WORKER_MODEL"] = spec.model
-            plan.append((f"{spec.role}-{i + 1}", "worker", env))
+            plan.append((f"{spec.role}-{i + 1}", spec.module, env))
     plan.append(("gateway", "gateway", {}))  # the OpenAI HTTP API, once workers serve
     return plan
 
@@ -166,9 +189,9 @@ async def _health(address: str) -> str:
 
 
 def print_table(procs: list[Proc], statuses: list[str]) -> None:
-    rows = [("SERVICE", "MODULE", "ADDRESS", "PID", "STATUS")]
+    rows = [("SERVICE", "MODULE", "ADDRESS", "PID", "RESTARTS", "STATUS")]
     rows += [
-        (p.name, p.service, p.address or "-", str(p.pid), s)
+        (p.name, p.service, p.address or "-", str(p.pid), str(p.restarts), s)
         for p, s in zip(procs, statuses, strict=True)
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -190,7 +213,8 @@ async def _statuses(procs: list[Proc]) -> list[str]:
 async def up(topology: Topology, start_timeout_s: float = 120.0) -> int:
     folder = run_dir()
     procs, _ = _load_state(folder)
-    if any(_alive(p) for p in procs):
+    sup = _supervisor(folder)
+    if any(_alive(p) for p in procs) or (sup is not None and _alive(sup)):
         print(f"already running (run folder {folder}); `omniflow down` first", file=sys.stderr)
         print_table(procs, await _statuses(procs))
         return 1
@@ -207,7 +231,14 @@ async def up(topology: Topology, start_timeout_s: float = 120.0) -> int:
             )
             redis_url = redis.url
             procs.append(
-                Proc("redis", "redis-server", redis.pid, str(redis.log_path), marker="redis-server")
+                Proc(
+                    "redis",
+                    "redis-server",
+                    redis.pid,
+                    str(redis.log_path),
+                    marker="redis-server",
+                    argv=redis.argv,
+                )
             )
             print(f"started redis-server (pid {redis.pid}) at {redact_url(redis_url)}")
         env["OMNIFLOW_REDIS_URL"] = redis_url
@@ -223,11 +254,42 @@ async def up(topology: Topology, start_timeout_s: float = 120.0) -> int:
         stop_all(procs)
         (folder / STATE).unlink(missing_ok=True)
         return 1
-    _save_state(folder, procs, env)
+    supervisor = 0
+    if os.environ.get("OMNIFLOW_SUPERVISE", "1") != "0":
+        supervisor = _start_supervisor(folder)
+    _save_state(folder, procs, env, supervisor)
     print()
     print_table(procs, await _statuses(procs))
+    if supervisor:
+        print(f"supervisor pid {supervisor}: restarts a crashed process (with backoff)")
     print(f"\nlogs: {folder / 'logs'}   stop: omniflow down")
     return 0
+
+
+def _start_supervisor(folder: Path) -> int:
+    with open(folder / "logs" / "supervisor.log", "ab") as out:
+        p = subprocess.Popen(
+            [sys.executable, "-m", SUPERVISOR, str(folder)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return p.pid
+
+
+def _stop_supervisor(folder: Path, grace_s: float = 10.0) -> bool:
+    """End the supervisor first (nothing may restart while ``down`` stops); True if one ran."""
+    sup = _supervisor(folder)
+    if sup is None or not _alive(sup):
+        return False
+    os.kill(sup.pid, signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    while _alive(sup) and time.monotonic() < end:
+        time.sleep(0.05)
+    if _alive(sup):
+        os.kill(sup.pid, signal.SIGKILL)
+    return True
 
 
 def stop_all(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
@@ -257,12 +319,17 @@ async def status() -> int:
         return 1
     statuses = await _statuses(procs)
     print_table(procs, statuses)
+    sup = _supervisor(run_dir())
+    if sup is not None:
+        print(f"supervisor pid {sup.pid}: {'RUNNING' if _alive(sup) else 'EXITED'}")
     return 0 if all(s in ("SERVING", "RUNNING") for s in statuses) else 1
 
 
 def down() -> int:
     folder = run_dir()
-    procs, _ = _load_state(folder)
+    if _stop_supervisor(folder):
+        print("stopped the supervisor")
+    procs, _ = _load_state(folder)  # read after it stopped: the PIDs it restarted
     if not procs:
         print(f"nothing to stop (no state in {folder})")
         return 0

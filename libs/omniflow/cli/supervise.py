@@ -1,0 +1,165 @@
+"""The supervisor of a local topology: restarts what ``omniflow up`` started when it dies.
+
+``omniflow up`` starts it last (``python -m omniflow.cli.supervise RUN_DIR``) and records
+its PID in ``state.json``; ``omniflow down`` ends it first, by that PID, so that nothing
+is restarted while the topology stops. Every ``POLL_S`` it checks each recorded process
+(by PID and command line, as ``down`` does); a dead one is started again with the same
+command and environment, on the same port when it had one (its address stays valid for
+clients that hold a channel; another port if that one is taken), after a backoff that
+doubles per crash (``BACKOFF_S`` up to ``MAX_BACKOFF_S``) and resets once a process has
+stayed up ``STABLE_S``. Redis restarts on its own port and data folder, so it loads its
+append-only file back. Restarts are counted in ``state.json`` (``omniflow status`` shows
+them); the supervisor's log is ``logs/supervisor.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from omniflow.cli import local
+from omniflow.localredis import spawn_redis
+
+log = logging.getLogger("omniflow.supervisor")
+
+POLL_S = 0.25
+BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+STABLE_S = 30.0
+MARKER = "omniflow.cli.supervise"
+
+
+@dataclass(slots=True)
+class _Watch:
+    """What the supervisor tracks of one process between polls."""
+
+    started: float  # monotonic time of the last (re)start
+    backoff_s: float = BACKOFF_S
+    down_since: float | None = None  # when it was first seen dead
+    port_failures: int = 0  # restarts on the old port that died before serving
+
+
+def _reap() -> None:
+    """Collect the exit status of restarted children that died (no zombies left)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _port(address: str) -> str:
+    return address.rsplit(":", 1)[-1] if ":" in address and "//" not in address else ""
+
+
+class Supervisor:
+    """Restarts the dead processes of one run folder (see the module docstring)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.stopping = False
+        self._watch: dict[str, _Watch] = {}
+
+    def poll_once(self) -> int:
+        """One pass: restart what is due; returns how many were restarted."""
+        procs, env = local._load_state(self.folder)
+        now = time.monotonic()
+        restarted = 0
+        changed = False
+        for proc in procs:
+            watch = self._watch.setdefault(proc.name, _Watch(now))
+            if local._alive(proc):
+                if watch.down_since is None and now - watch.started > STABLE_S:
+                    watch.backoff_s = BACKOFF_S  # it stayed up: the next crash restarts fast
+                changed |= self._note_ready(proc, watch)
+                continue
+            if watch.down_since is None:
+                watch.down_since = now
+                log.warning("%s (pid %s) is not running; restart in %.1f s",
+                            proc.name, proc.pid, watch.backoff_s)  # fmt: skip
+            if now - watch.down_since < watch.backoff_s or self.stopping:
+                continue
+            if now - watch.started < 5.0 and proc.address:
+                watch.port_failures += 1  # died during its start: perhaps its port is taken
+            self._restart(proc, env)
+            watch.started, watch.down_since = time.monotonic(), None
+            watch.backoff_s = min(watch.backoff_s * 2, MAX_BACKOFF_S)
+            restarted += 1
+            changed = True
+        if changed:
+            local._save_state(self.folder, procs, env, supervisor=os.getpid())
+        _reap()
+        return restarted
+
+    def _note_ready(self, proc: local.Proc, watch: _Watch) -> bool:
+        """Record the address a restarted process reports once SERVING."""
+        ready = self.folder / "ready" / f"{proc.name}.json"
+        if not proc.service or proc.service == "redis-server" or not ready.exists():
+            return False
+        try:
+            info = json.loads(ready.read_text())
+        except (OSError, ValueError):
+            return False  # being written
+        if info.get("pid") != proc.pid:
+            return False
+        address = info.get("url") or info.get("address", "")
+        watch.port_failures = 0
+        if address and address != proc.address:
+            proc.address = address
+            return True
+        return False
+
+    def _restart(self, proc: local.Proc, env: dict[str, str]) -> None:
+        old = proc.pid
+        if proc.service == "redis-server":
+            password = urlsplit(env.get("OMNIFLOW_REDIS_URL", "")).password or ""
+            proc.pid = spawn_redis(proc.argv, Path(proc.log).parent, password).pid
+        else:
+            extra = dict(proc.env)
+            port = _port(proc.address)
+            if port and self._watch[proc.name].port_failures < 2:
+                extra["OMNIFLOW_PORT"] = port
+            proc.pid = local._spawn(self.folder, proc.name, proc.service, extra).pid
+        proc.restarts += 1
+        log.warning("restarted %s: pid %s -> %s (restart %d)", proc.name, old, proc.pid,
+                    proc.restarts)  # fmt: skip
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        log.info("supervising %s (pid %s)", self.folder, os.getpid())
+        while not self.stopping:
+            try:
+                self.poll_once()
+            except Exception:  # a bad state file must not end supervision for good
+                log.exception("supervision pass failed")
+            time.sleep(POLL_S)
+        log.info("supervisor stopping")
+        return 0
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m omniflow.cli.supervise RUN_DIR", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return Supervisor(Path(args[0]).resolve()).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
