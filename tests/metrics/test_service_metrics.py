@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 from procs import ServiceProc
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,6 +68,21 @@ async def _pull(address: str, source: str, namespace: str, hashes: list[bytes]) 
             timeout=30,
         )
     return reply.pulled
+
+
+async def _namespace_known(index: str, namespace: str) -> None:
+    """Until the index knows ``namespace`` (else a match is NOT_FOUND)."""
+    async with open_channel(index) as channel:
+        stub = kvindex_pb2_grpc.KVIndexServiceStub(channel)
+        for _ in range(300):
+            try:
+                await stub.GetNamespace(kvindex_pb2.GetNamespaceRequest(namespace=namespace))
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"the worker never registered namespace {namespace}")
 
 
 async def _held_by_agent(index: str, namespace: str, hashes: list[bytes]) -> None:
@@ -130,6 +146,8 @@ async def test_every_service_exports_its_series_after_a_run(
             **metrics,
         ).wait_ready()
 
+        namespace = worker.info["metadata"]["kv_namespace"]
+
         wf = Workflow("watched")
         gen = wf.call(
             "gen",
@@ -144,9 +162,11 @@ async def test_every_service_exports_its_series_after_a_run(
             await client.register(wf)
             first = await client.run("watched", {"prompt": PROMPT})
             assert first.ok, first.error
+            # The index learns the namespace with the worker's first pages: until then a
+            # kv_aware pick finds it unknown and picks by load.
+            await _namespace_known(index.address, namespace)
             second = await client.run("watched", {"prompt": PROMPT})  # its prefix is cached
             assert second.ok, second.error
-        namespace = worker.info["metadata"]["kv_namespace"]
         folder = Path(worker.info["metadata"]["model"])
         ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PROMPT).ids
         hashes = block_hashes(bytes.fromhex(namespace), ids, 16)
@@ -181,8 +201,9 @@ async def test_every_service_exports_its_series_after_a_run(
         assert value(r, "omniflow_router_breaker_state", worker="llm-a", state="closed") == 1
         assert value(r, "omniflow_router_breaker_state", worker="llm-a", state="open") == 0
         fallbacks = {k: v for k, v in r.items() if k[0] == "omniflow_router_kv_fallbacks_total"}
-        served = {k: v for k, v in scrape(index).items() if k[0] == "omniflow_rpc_served_total"}
-        assert value(r, "omniflow_router_kv_fallbacks_total") == 0, (fallbacks, served)
+        # At most the first run's pick (a namespace the index did not know yet: NOT_FOUND).
+        assert value(r, "omniflow_router_kv_fallbacks_total", reason="error") <= 1, fallbacks
+        assert value(r, "omniflow_router_kv_fallbacks_total", reason="timeout") == 0, fallbacks
         assert value(r, "omniflow_router_workers", role="llm") == 1
 
         a, b = scrape(agents["a"]), scrape(agents["b"])
