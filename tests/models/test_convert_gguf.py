@@ -4,6 +4,9 @@ same logits; and the built-in engine on the converted folder equals transformers
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -129,14 +132,35 @@ def test_engine_equals_transformers_on_a_chat_prompt(smol: Smol, ref_model, ref_
     torch.testing.assert_close(rows, logits, atol=1e-4, rtol=0)
 
 
-def test_bfloat16_output(smol: Smol, tmp_path: Path) -> None:
+def test_cli_converts_to_bfloat16(smol: Smol, tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    out = convert_gguf(smol.gguf, tmp_path / "bf16", dtype="bfloat16")
+    out = tmp_path / "bf16"
+    proc = subprocess.run(
+        [sys.executable, "-m", "omniflow.cli.main", "models", "convert-gguf", str(smol.gguf),
+         str(out), "--dtype", "bfloat16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(out)
+    assert "dequantized 272/272 tensors" in proc.stderr  # progress on long work
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.bfloat16
         assert "lm_head.weight" not in f.keys()  # tied
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16"]  # no temporary folder left
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "omniflow.cli.main", "models", "convert-gguf",
+         str(tmp_path / "none.gguf"), str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
 
 
 def test_unpermute_inverts_llama_cpp_permutation() -> None:
