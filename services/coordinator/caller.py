@@ -10,6 +10,9 @@ The Pick of an ``llm.generate`` call carries KV hints (namespace and the prompt'
 hashes, see ``kvhints``) whenever the call may be routed ``kv_aware``: its strategy says
 so, or it leaves the choice to the router and the router's default for the role is
 ``kv_aware`` (learnt from Pick replies; assumed until the first reply says otherwise).
+The worker then gets the same token ids the hashes were made from (tokenized once, here);
+a node with param ``chat`` sends its prompt as one user message (after ``system``, when
+set), rendered with the model's own chat template.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
 from omniflow.values import from_python, to_python
 from omniflow_services.coordinator.calls import UNUSED_PICK_CODE, CallRequest, ChunkSink, Target
-from omniflow_services.coordinator.kvhints import KVHinter
+from omniflow_services.coordinator.kvhints import KVHinter, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,27 @@ def sampling_params(params: dict[str, Any]) -> common_pb2.SamplingParams:
     if params.get("ignore_eos"):
         sp.ignore_eos = True
     return sp
+
+
+def llm_prompt(text: str, params: dict[str, Any]) -> Prompt:
+    """The prompt of an llm generate node: its text, a chat turn when param ``chat``."""
+    system = params.get("system", "")
+    if not isinstance(system, str):
+        raise InvalidArgument(f"param 'system' is {type(system).__name__}; accepted: a string")
+    return Prompt(text, bool(params.get("chat", False)), system)
+
+
+def chat_request(prompt: Prompt) -> worker_pb2.ChatMessages:
+    """The worker's chat messages of ``prompt`` (the worker renders the template)."""
+    return worker_pb2.ChatMessages(
+        messages=[
+            worker_pb2.ChatMessage(
+                role=m["role"], content=[worker_pb2.ContentPart(text=m["content"])]
+            )
+            for m in prompt.messages()
+        ],
+        add_generation_prompt=True,
+    )
 
 
 REPORT_INTERVAL_S = 0.02
@@ -126,7 +150,7 @@ class GrpcWorkerCaller:
             and isinstance(prompt, str)
             and self._wants_hints(req.role, req.operation, req.strategy)
         ):
-            hints = await self.hinter.hints(req.role, prompt)
+            hints = await self.hinter.hints(req.role, llm_prompt(prompt, req.params))
             if hints is not None:
                 msg.kv_namespace = hints.namespace
                 msg.block_hashes.extend(hints.block_hashes)
@@ -137,7 +161,7 @@ class GrpcWorkerCaller:
             raise error_from_rpc(exc) from None
         if req.strategy == 0:
             self._role_default[req.role] = reply.strategy
-        return Target(reply.worker.worker_id, reply.worker.address)
+        return Target(reply.worker.worker_id, reply.worker.address, reply.worker.kv_namespace)
 
     async def invoke(
         self, target: Target, req: CallRequest, on_chunk: ChunkSink | None
@@ -145,7 +169,7 @@ class GrpcWorkerCaller:
         stub = self._stub(target.address)
         try:
             if req.operation == "generate":
-                return await self._generate(stub, req, on_chunk)
+                return await self._generate(stub, target, req, on_chunk)
             if req.operation == "synthesize":
                 return await self._synthesize(stub, req, on_chunk)
             if req.operation == "encode":
@@ -166,20 +190,31 @@ class GrpcWorkerCaller:
             raise error_from_rpc(exc) from None
 
     async def _generate(
-        self, stub: worker_pb2_grpc.WorkerServiceStub, req: CallRequest, on_chunk: ChunkSink | None
+        self,
+        stub: worker_pb2_grpc.WorkerServiceStub,
+        target: Target,
+        req: CallRequest,
+        on_chunk: ChunkSink | None,
     ) -> dict[str, Any]:
-        prompt = req.inputs.get("prompt")
-        if not isinstance(prompt, str):
+        text = req.inputs.get("prompt")
+        if not isinstance(text, str):
             raise InvalidArgument("generate needs a text input 'prompt'")
-        call = stub.Generate(
-            worker_pb2.GenerateRequest(
-                request_id=req.request_id,
-                text=prompt,
-                sampling=sampling_params(req.params),
-                session_key=str(req.inputs.get("session") or req.session_key),
-            ),
-            timeout=req.timeout_s,
+        prompt = llm_prompt(text, req.params)
+        msg = worker_pb2.GenerateRequest(
+            request_id=req.request_id,
+            sampling=sampling_params(req.params),
+            session_key=str(req.inputs.get("session") or req.session_key),
         )
+        ready = None
+        if self.hinter is not None and req.role == "llm":
+            ready = await self.hinter.prepared(req.role, prompt, target.kv_namespace)
+        if ready is not None:  # the ids the Pick's hashes came from: no second tokenizing
+            msg.token_ids.ids.extend(ready.token_ids)
+        elif prompt.chat:
+            msg.messages.CopyFrom(chat_request(prompt))
+        else:
+            msg.text = text
+        call = stub.Generate(msg, timeout=req.timeout_s)
         parts: list[str] = []
         out: dict[str, Any] = {"finish_reason": ""}
         async for chunk in call:

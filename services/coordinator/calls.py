@@ -36,6 +36,7 @@ class Target:
 
     worker_id: str
     address: str
+    kv_namespace: str = ""  # hex; the prompt's ids are sent when they are of this namespace
 
 
 class WorkerCaller(Protocol):

@@ -1,18 +1,24 @@
-"""KV routing hints for llm calls: the prompt's block hashes, for the router's kv_aware Pick.
+"""KV routing hints and prompt ids for llm calls: template and tokenize once, here.
 
 The router stays cheap: it matches hashes against the KV index but never tokenizes. The
-coordinator computes the hashes itself, exactly as the worker will: the llm workers of a
-role register their ``model`` (a model folder) and ``kv_namespace`` (hex of the KV layout
-fingerprint) in discovery; the coordinator loads ``tokenizer.json`` from that folder once
-(the folder is readable on a single machine, and on the shared ``/models`` volume in
-compose), tokenizes the prompt the way the worker does for a ``text`` prompt (the
-tokenizer's ``encode``, no chat template), and hashes the full pages with
-``omniflow.kv.blocks.block_hashes`` (page size 16, or the worker's ``page_size`` metadata).
+coordinator turns the prompt into token ids itself, exactly as the worker would: the llm
+workers of a role register their ``model`` (a model folder) and ``kv_namespace`` (hex of
+the KV layout fingerprint) in discovery; the coordinator loads that folder's tokenizer and
+chat template once (``omniflow.chat.Preprocessor``, the implementation the workers and the
+gateway use; the folder is readable on a single machine, and on the shared ``/models``
+volume in compose). A ``text`` prompt is tokenized with the tokenizer's special tokens; a
+chat prompt (node param ``chat``) is one user message, after an optional ``system`` one,
+rendered with the model's own template. The full pages are hashed with
+``omniflow.kv.blocks.block_hashes`` (page size 16, or the worker's ``page_size``
+metadata). The same ids then go to the worker as ``token_ids`` when it serves that
+namespace, so the pages the router matched are the pages the worker computes, and the
+worker does not tokenize again.
 
-When the hashes cannot be computed (no llm worker with a namespace, no readable
-tokenizer, the ``tokenizers`` package missing) the Pick goes out without hints, so the
-router picks by load; every outcome is counted (``counts`` and the Prometheus counter
-``omniflow_coordinator_kv_hints_total{result}``).
+When the ids cannot be computed (no llm worker with a namespace, no readable tokenizer)
+the Pick goes out without hints, so the router picks by load, and the worker gets the
+prompt itself; every outcome is counted (``counts`` and the Prometheus counter
+``omniflow_coordinator_kv_hints_total{result}``). Tokenizing runs on a thread, never on
+the event loop.
 """
 
 from __future__ import annotations
@@ -23,13 +29,13 @@ import time
 from collections import Counter as Tally
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import xxhash
 from prometheus_client import Counter
 
-from omniflow.kv.blocks import DEFAULT_PAGE_SIZE, block_hashes
+from omniflow.chat import Preprocessor, acached_preprocessor
+from omniflow.kv.blocks import DEFAULT_PAGE_SIZE
 from omniflow.workers import WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -50,16 +56,35 @@ ERROR = "fallback_error"
 WORKERS_REFRESH_S = 2.0
 TOKENIZER_RETRY_S = 30.0
 CACHE_ENTRIES = 256
-THREAD_CHARS = 8192  # longer prompts are tokenized off the event loop
 
 
 @dataclass(frozen=True, slots=True)
 class KVHints:
-    """What a Pick carries for kv_aware: the namespace (hex), the prompt's block hashes."""
+    """What a Pick carries for kv_aware: the namespace (hex), the prompt's block hashes;
+    and the prompt's ids, which the worker of that namespace gets instead of the prompt."""
 
     namespace: str
     block_hashes: tuple[bytes, ...]
     prompt_tokens: int
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """An llm prompt as a workflow node gives it: text, or one chat turn when ``chat``."""
+
+    text: str
+    chat: bool = False
+    system: str = ""
+
+    def messages(self) -> list[dict[str, Any]]:
+        turns = [{"role": "system", "content": self.system}] if self.system else []
+        return [*turns, {"role": "user", "content": self.text}]
+
+    def key(self) -> bytes:
+        if not self.chat:
+            return b"t" + self.text.encode()
+        return b"c" + xxhash.xxh3_128_digest(self.system.encode()) + self.text.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,27 +94,25 @@ class _Model:
     folder: str
 
 
-class _Tokenizer:
-    """A tokenizer.json loaded once, or the reason it could not be."""
+class _Loaded:
+    """A model folder's Preprocessor loaded once, or the reason it could not be."""
 
-    def __init__(self, tok: Any | None, error: str) -> None:
-        self.tok, self.error, self.at = tok, error, time.monotonic()
+    def __init__(self, prep: Preprocessor | None, error: str) -> None:
+        self.prep, self.error, self.at = prep, error, time.monotonic()
 
 
-def _load_tokenizer(folder: str) -> _Tokenizer:
-    path = Path(folder) / "tokenizer.json"
+async def _load(model: _Model) -> _Loaded:
     try:
-        from tokenizers import Tokenizer  # the worker extra; absent: no hints
-    except ImportError:
-        return _Tokenizer(None, "the tokenizers package is not installed")
-    try:
-        return _Tokenizer(Tokenizer.from_file(str(path)), "")
+        return _Loaded(
+            await acached_preprocessor(model.folder, model.namespace, model.page_size), ""
+        )
     except Exception as exc:  # missing, unreadable or malformed: no hints for this model
-        return _Tokenizer(None, f"cannot read {path}: {exc}")
+        return _Loaded(None, str(exc))
 
 
 class KVHinter:
-    """Block hashes of llm prompts, from the tokenizer of the role's model.
+    """Token ids and block hashes of llm prompts, from the tokenizer and chat template of
+    the role's model.
 
     ``workers`` lists the registered workers (discovery); it is asked at most every
     ``refresh_s`` and in the background once a listing exists.
@@ -107,14 +130,16 @@ class KVHinter:
         self._workers: list[WorkerRecord] | None = None
         self._listed_at = 0.0
         self._refresh: asyncio.Task[None] | None = None
-        self._tokenizers: dict[str, _Tokenizer] = {}
-        self._loading: dict[str, asyncio.Future[_Tokenizer]] = {}
+        self._loaded: dict[_Model, _Loaded] = {}
+        self._loading: dict[_Model, asyncio.Future[_Loaded]] = {}
         self._cache: dict[bytes, KVHints] = {}
 
-    async def hints(self, role: str, prompt: str) -> KVHints | None:
-        """Hints for a ``text`` prompt to ``role``; None when there are none to give."""
+    async def hints(self, role: str, prompt: str | Prompt) -> KVHints | None:
+        """Hints for a prompt to ``role`` (a ``text`` prompt when given a str); None when
+        there are none to give. Counted."""
+        p = prompt if isinstance(prompt, Prompt) else Prompt(prompt)
         try:
-            result, hints = await self._hints(role, prompt)
+            result, hints = await self._hints(role, p, "")
         except Exception as exc:  # hints are an optimisation: never fail the call for them
             log.warning("KV hints for role %s failed: %s", role, exc)
             result, hints = ERROR, None
@@ -122,23 +147,37 @@ class KVHinter:
         KV_HINTS.labels(result).inc()
         return hints
 
-    async def _hints(self, role: str, prompt: str) -> tuple[str, KVHints | None]:
-        model = self._model(role, await self._role_workers(role))
+    async def prepared(self, role: str, prompt: Prompt, namespace: str) -> KVHints | None:
+        """The prompt's ids for a worker of ``role`` serving ``namespace`` (hex); None when
+        they cannot be computed here (the worker then gets the prompt itself). Not counted:
+        the Pick of the same call was. The same ids as the Pick's hints (one cache)."""
+        if not namespace:
+            return None
+        try:
+            _, hints = await self._hints(role, prompt, namespace)
+        except Exception as exc:
+            log.warning("prompt ids for role %s failed: %s", role, exc)
+            return None
+        return hints
+
+    async def _hints(self, role: str, prompt: Prompt, namespace: str) -> tuple[str, KVHints | None]:
+        model = self._model(role, await self._role_workers(role), namespace)
         if model is None:
             return NO_WORKERS, None
-        key = xxhash.xxh3_128_digest(model.namespace + prompt.encode())
+        key = xxhash.xxh3_128_digest(model.namespace + prompt.key())
         cached = self._cache.get(key)
         if cached is not None:
             return (HINTED if cached.block_hashes else SHORT), cached
-        tokenizer = await self._tokenizer(model.folder)
-        if tokenizer.tok is None:
+        loaded = await self._preprocessor(model)
+        if loaded.prep is None:
             return NO_TOKENIZER, None
-        if len(prompt) > THREAD_CHARS:
-            ids = await asyncio.to_thread(_encode, tokenizer.tok, prompt)
+        pre = loaded.prep
+        if prompt.chat:
+            ids = await pre.aencode_chat(prompt.messages())
         else:
-            ids = _encode(tokenizer.tok, prompt)
-        hashes = tuple(block_hashes(model.namespace, ids, model.page_size))
-        hints = KVHints(model.namespace.hex(), hashes, len(ids))
+            ids = await pre.aencode_text(prompt.text)
+        hashes = tuple(pre.block_hashes(ids))
+        hints = KVHints(model.namespace.hex(), hashes, len(ids), tuple(ids))
         if len(self._cache) >= CACHE_ENTRIES:
             del self._cache[next(iter(self._cache))]
         self._cache[key] = hints
@@ -164,44 +203,47 @@ class KVHinter:
         self._listed_at = time.monotonic()
 
     @staticmethod
-    def _model(role: str, workers: list[WorkerRecord]) -> _Model | None:
-        """The namespace most of the role's workers serve (one Pick carries one)."""
+    def _model(role: str, workers: list[WorkerRecord], namespace: str = "") -> _Model | None:
+        """The model of ``namespace``, or the namespace most of the role's workers serve
+        (one Pick carries one)."""
         by_ns: dict[str, list[WorkerRecord]] = {}
         for w in workers:
             if w.kv_namespace and w.model:
                 by_ns.setdefault(w.kv_namespace, []).append(w)
-        if not by_ns:
+        if namespace:
+            members = by_ns.get(namespace)
+            if not members:
+                return None
+            ns = namespace
+        elif by_ns:
+            ns, members = max(sorted(by_ns.items()), key=lambda kv: len(kv[1]))
+        else:
             return None
-        ns, members = max(sorted(by_ns.items()), key=lambda kv: len(kv[1]))
         first = members[0]
         page = int(first.metadata.get("page_size", "") or DEFAULT_PAGE_SIZE)
         return _Model(bytes.fromhex(ns), page, first.model)
 
-    async def _tokenizer(self, folder: str) -> _Tokenizer:
-        known = self._tokenizers.get(folder)
+    async def _preprocessor(self, model: _Model) -> _Loaded:
+        known = self._loaded.get(model)
         if known is not None and (
-            known.tok is not None or time.monotonic() - known.at < TOKENIZER_RETRY_S
+            known.prep is not None or time.monotonic() - known.at < TOKENIZER_RETRY_S
         ):
             return known
-        pending = self._loading.get(folder)
+        pending = self._loading.get(model)
         if pending is None:
             # Reading a real tokenizer.json takes a while: off the event loop, once.
-            pending = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, folder))
-            self._loading[folder] = pending
+            pending = asyncio.ensure_future(_load(model))
+            self._loading[model] = pending
         try:
             loaded = await asyncio.shield(pending)
         finally:
             if pending.done():
-                self._loading.pop(folder, None)
-        if loaded.tok is None and (known is None or known.error != loaded.error):
-            log.warning("no KV hints for model %s: %s", folder, loaded.error)
-        self._tokenizers[folder] = loaded
+                self._loading.pop(model, None)
+        if loaded.prep is None and (known is None or known.error != loaded.error):
+            log.warning("no KV hints for model %s: %s", model.folder, loaded.error)
+        self._loaded[model] = loaded
         return loaded
 
     async def close(self) -> None:
         if self._refresh is not None:
             self._refresh.cancel()
-
-
-def _encode(tok: Any, text: str) -> list[int]:
-    return list(tok.encode(text).ids)
