@@ -299,15 +299,11 @@ class MultimodalEdge:
     ) -> AsyncIterator[worker_pb2.SynthesizeResponse]:
         talker = self.core.require_mm("talker").talker
         assert talker is not None
-        if request.sample_rate not in (0, talker.sample_rate):
-            raise InvalidArgument(
-                f"sample_rate {request.sample_rate} Hz is not supported; accepted: "
-                f"{talker.sample_rate} (or 0)"
-            )
-        if request.voice not in ("", "default"):
-            raise InvalidArgument(f"voice {request.voice!r} is not available; accepted: default")
+        # 0 → 16 kHz from every talker; 8 to 48 kHz resampled (see mm/talker.py).
+        rate = talker.output_rate(request.sample_rate)
+        talker.check_voice(request.voice)
         seed = request.seed if request.HasField("seed") else None
-        async for ch in talker.synthesize(request.text, seed):
+        async for ch in talker.synthesize(request.text, seed, sample_rate=rate):
             yield worker_pb2.SynthesizeResponse(
                 pcm_s16le=ch.pcm_s16le,
                 sample_rate=ch.sample_rate,

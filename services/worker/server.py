@@ -16,6 +16,7 @@ from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import unimplemented
 from omniflow.workers import WORKER_SERVICE, worker_metadata
 from omniflow_services.worker import metrics
+from omniflow_services.worker.audio_edge import AUDIO_OPERATIONS, invoke_audio
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.engine import Engine, SamplingParams
@@ -175,6 +176,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Invoke(
         self, request: worker_pb2.InvokeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.InvokeResponse:
+        if request.operation in AUDIO_OPERATIONS:
+            return await invoke_audio(self.app.core, request, self.app.mm.tensors)
         raise unimplemented("user-registered operations (Control Flow)")
 
     async def GetLoad(

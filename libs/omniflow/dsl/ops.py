@@ -46,6 +46,10 @@ BUILTIN: dict[tuple[str, str], OpSignature] = {
     ("encoder", "encode"): OpSignature(
         "encoder", "encode", {"media": VType.ANY}, {"items": VType.LIST, "cache_hits": VType.INT}
     ),
+    # Served through Invoke by an encoder worker with a Whisper model: audio file bytes in.
+    ("encoder", "transcribe"): OpSignature(
+        "encoder", "transcribe", {"audio": VType.ANY}, {"text": VType.TEXT}
+    ),
     ("diffusion", "generate_image"): OpSignature(
         "diffusion",
         "generate_image",

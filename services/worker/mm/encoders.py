@@ -2,8 +2,10 @@
 
 A vision encoder (patches → transformer → projector) and an audio encoder (log-mel →
 two convolutions → transformer → projector) are loaded from their folders
-(``config.json`` + ``model.safetensors``). The cache maps an item id (xxh3_128 of the raw
-bytes, DESIGN §4.1) to its embeddings, so an item already seen is not encoded again.
+(``config.json`` + ``model.safetensors``); an audio folder may also be any Hugging Face
+Whisper folder (``model_type`` whisper, see ``whisper.py``), which also transcribes. The
+cache maps an item id (xxh3_128 of the raw bytes, DESIGN §4.1) to its embeddings, so an
+item already seen is not encoded again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from omniflow.errors import InvalidArgument
+from omniflow.errors import FailedPrecondition, InvalidArgument
 from omniflow.kv.blocks import item_id
 from omniflow.models.tiny_mm import AUDIO_MODEL_TYPE, VISION_MODEL_TYPE
 from omniflow_services.worker.mm.media import (
@@ -31,6 +33,7 @@ from omniflow_services.worker.mm.media import (
     log_mel,
 )
 from omniflow_services.worker.mm.nn import EncoderStack, Weights, read_config, sinusoid
+from omniflow_services.worker.mm.whisper import WHISPER_MODEL_TYPE, WhisperEncoder
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +107,7 @@ class AudioEncoder:
         return F.linear(F.gelu(F.linear(h, *fc1)), *fc2)
 
 
-Encoder = VisionEncoder | AudioEncoder
+Encoder = VisionEncoder | AudioEncoder | WhisperEncoder
 
 
 def load_encoder(folder: Path, device: str = "cpu") -> Encoder:
@@ -117,9 +120,11 @@ def load_encoder(folder: Path, device: str = "cpu") -> Encoder:
         return VisionEncoder(folder, device)
     if mt == AUDIO_MODEL_TYPE:
         return AudioEncoder(folder, device)
+    if mt == WHISPER_MODEL_TYPE:
+        return WhisperEncoder(folder, device)
     raise InvalidArgument(
         f"{folder} holds model_type {mt!r}; an encoder worker accepts "
-        f"{VISION_MODEL_TYPE!r} or {AUDIO_MODEL_TYPE!r}"
+        f"{VISION_MODEL_TYPE!r}, {AUDIO_MODEL_TYPE!r} or {WHISPER_MODEL_TYPE!r}"
     )
 
 
@@ -224,3 +229,19 @@ class EncoderRole:
 
     async def encode(self, items: list[MediaInput]) -> list[EncodedEmbeddings]:
         return await asyncio.to_thread(self.encode_sync, items)
+
+    @property
+    def operations(self) -> tuple[str, ...]:
+        """Operations beyond ``encode`` that the loaded encoders serve."""
+        return ("transcribe",) if isinstance(self.encoders.get(AUDIO), WhisperEncoder) else ()
+
+    async def transcribe(self, item: MediaInput) -> str:
+        """Speech → text with the worker's Whisper model (FailedPrecondition without one)."""
+        enc = self.encoders.get(AUDIO)
+        if not isinstance(enc, WhisperEncoder):
+            raise FailedPrecondition(
+                "transcribe needs a Whisper audio encoder on this worker (model_type whisper, "
+                "e.g. omniflow models pull whisper-tiny.en); this one has "
+                f"{type(enc).__name__ if enc else 'no audio encoder'}"
+            )
+        return await asyncio.to_thread(enc.transcribe, item)

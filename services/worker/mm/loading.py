@@ -16,6 +16,7 @@ from omniflow_services.worker.engine import BlockEventSink, Engine, EngineConfig
 from omniflow_services.worker.llm import LLMRole
 from omniflow_services.worker.mm.encoders import EncoderRole
 from omniflow_services.worker.mm.image_role import DiffusionRole
+from omniflow_services.worker.mm.piper_talker import PiperTalker, is_piper_folder
 from omniflow_services.worker.mm.talker import TalkerRole
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class LoadedRoles:
     llm: LLMRole | None = None
     encoder: EncoderRole | None = None
     diffusion: DiffusionRole | None = None
-    talker: TalkerRole | None = None
+    talker: TalkerRole | PiperTalker | None = None
 
 
 def backbone_of(head_folder: Path) -> str:
@@ -74,7 +75,13 @@ async def load_roles(
         return LoadedRoles(",".join(str(f) for f in folders), encoder=enc)
     if role == "talker":
         folder = resolve_model(spec, models_dir)
-        talker = await asyncio.to_thread(TalkerRole, folder, config.device, config.dtype)
+        talker: TalkerRole | PiperTalker
+        if is_piper_folder(folder):  # a Piper voice (ONNX): its own backend, same API
+            import torch
+
+            talker = await asyncio.to_thread(PiperTalker, folder, torch.get_num_threads())
+        else:
+            talker = await asyncio.to_thread(TalkerRole, folder, config.device, config.dtype)
         return LoadedRoles(str(folder), talker=talker)
     if role == "diffusion":
         head = resolve_model(spec, models_dir)

@@ -6,11 +6,14 @@ described by ``talker_config.json``. Decoding runs on a private paged KV pool wi
 engine's batch builder, sampling only among codec tokens. Every ``chunk_tokens`` codec
 tokens the vocoder (``vocoder/``: codec embedding, convolution, transposed-convolution
 upsampling by ``hop_length``) turns the chunk into PCM, which is streamed at once.
+
+Every talker (this codec talker and the Piper one in ``piper_talker.py``) answers a request
+rate of 0 with ``DEFAULT_RATE`` (16 kHz, the worker API's contract) and resamples to any
+other rate from 8 to 48 kHz.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import threading
@@ -18,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,12 +31,22 @@ from omniflow.models.tiny_mm import VOCODER_MODEL_TYPE
 from omniflow_services.worker.engine.kv_pool import KVPool
 from omniflow_services.worker.engine.loader import load_model
 from omniflow_services.worker.engine.model import SeqInput, build_batch
-from omniflow_services.worker.mm.media import to_pcm_s16, wav_bytes
+from omniflow_services.worker.mm.audio_io import StreamResampler, check_rate, pcm_s16
+from omniflow_services.worker.mm.media import wav_bytes
 from omniflow_services.worker.mm.nn import Weights, read_config
+from omniflow_services.worker.mm.streaming import iterate_in_thread
 
 log = logging.getLogger(__name__)
 
 PAGE = 16
+DEFAULT_RATE = 16000  # what a request rate of 0 gets, from every talker
+
+
+def check_voice(voice: str, name: str = "default") -> None:
+    """A talker serves one voice: "" and "default" name it, as does its own name."""
+    if voice not in ("", "default", name):
+        accepted = "default" if name == "default" else f"default or {name}"
+        raise InvalidArgument(f"voice {voice!r} is not available; accepted: {accepted}")
 
 
 class Vocoder:
@@ -106,6 +120,12 @@ class TalkerRole:
     def sample_rate(self) -> int:
         return self.vocoder.sample_rate
 
+    def output_rate(self, requested: int) -> int:
+        return check_rate(requested, DEFAULT_RATE)
+
+    def check_voice(self, voice: str) -> None:
+        check_voice(voice)
+
     def prompt(self, text: str) -> list[int]:
         ids = list(self.tokenizer.encode(text).ids)
         if not ids:
@@ -154,59 +174,49 @@ class TalkerRole:
             yield chunk
 
     def synthesize_sync(
-        self, text: str, seed: int | None = None, temperature: float = 0.8
+        self,
+        text: str,
+        seed: int | None = None,
+        temperature: float = 0.8,
+        sample_rate: int = 0,
     ) -> Iterator[AudioChunk]:
         """Audio chunks as codec chunks are decoded; the last carries the whole WAV."""
+        rate = self.output_rate(sample_rate)
         with self._lock:
+            resample = StreamResampler(self.sample_rate, rate)
             pcm_all: list[bytes] = []
             pending: AudioChunk | None = None
             for i, codes in enumerate(self._codes(text, seed, temperature)):
                 wave = self.vocoder(torch.tensor(codes, dtype=torch.long, device=self.device))
-                pcm = to_pcm_s16(wave.float().cpu())
+                pcm = pcm_s16(resample(wave.float().cpu().numpy()))
                 pcm_all.append(pcm)
                 if pending is not None:
                     yield pending
-                pending = AudioChunk(pcm, self.sample_rate, i, False)
+                pending = AudioChunk(pcm, rate, i, False)
             if pending is None:  # ended at once: an empty utterance is still a valid WAV
-                pending = AudioChunk(b"", self.sample_rate, 0, False)
-            whole = b"".join(pcm_all)
+                pending = AudioChunk(b"", rate, 0, False)
+            tail = pcm_s16(resample(np.zeros(0, np.float32), last=True))
+            pcm_all.append(tail)
             yield AudioChunk(
-                pending.pcm_s16le,
-                self.sample_rate,
+                pending.pcm_s16le + tail,
+                rate,
                 pending.index,
                 True,
-                wav_bytes(whole, self.sample_rate),
+                wav_bytes(b"".join(pcm_all), rate),
             )
 
     async def synthesize(
-        self, text: str, seed: int | None = None, temperature: float = 0.8
+        self,
+        text: str,
+        seed: int | None = None,
+        temperature: float = 0.8,
+        sample_rate: int = 0,
     ) -> AsyncIterator[AudioChunk]:
         """Stream chunks; decoding runs in a thread, each chunk is sent as soon as it is ready."""
         self.prompt(text)  # bad input fails before the stream starts
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[AudioChunk | BaseException | None] = asyncio.Queue()
-        stop = threading.Event()
-
-        def work() -> None:
-            try:
-                for ch in self.synthesize_sync(text, seed, temperature):
-                    if stop.is_set():
-                        break
-                    loop.call_soon_threadsafe(queue.put_nowait, ch)
-            except BaseException as exc:  # handed to the stream
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-
-        task = asyncio.create_task(asyncio.to_thread(work))
-        try:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            await asyncio.shield(task)
+        self.output_rate(sample_rate)
+        chunks = iterate_in_thread(
+            lambda: self.synthesize_sync(text, seed, temperature, sample_rate)
+        )
+        async for ch in chunks:
+            yield ch
