@@ -70,16 +70,28 @@ def _store_samples(pools: Pools | None, tensors: TensorStore | None) -> Iterator
                 counter=True,
             )
         for name, doc, n in (
-            ("promotions", "Pages promoted from SSD to host on a hit", st.ssd_hits),
-            ("demotions", "Pages demoted from host to SSD to make room", st.demoted),
-            ("evictions", "Pages dropped from the agent's last tier", st.dropped),
             (
-                "checksum_failures",
+                "omniflow_kv_agent_promotions_total",
+                "Pages promoted from SSD to host on a hit",
+                st.ssd_hits,
+            ),
+            (
+                "omniflow_kv_agent_demotions_total",
+                "Pages demoted from host to SSD to make room",
+                st.demoted,
+            ),
+            (
+                "omniflow_kv_agent_evictions_total",
+                "Pages dropped from the agent's last tier",
+                st.dropped,
+            ),
+            (
+                "omniflow_kv_agent_checksum_failures_total",
                 "Pages refused or dropped because their checksum did not match",
                 st.checksum_failures,
             ),
         ):
-            yield Sample(f"omniflow_kv_agent_{name}_total", doc, n, counter=True)
+            yield Sample(name, doc, n, counter=True)
     if tensors is not None:
         yield Sample("omniflow_kv_agent_tensors", "Intermediate tensors held", len(tensors))
         held = tensors.used_bytes
