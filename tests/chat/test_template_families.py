@@ -191,3 +191,53 @@ def test_the_sandbox_refuses_unsafe_attribute_access():
     tpl = ChatTemplate("{{ messages.__class__.__mro__ }}", model="m2")
     with pytest.raises(InvalidArgument, match="chat template of m2"):
         tpl.render([{"role": "user", "content": "x"}])
+
+
+# Qwen2.5-style tool section: ``tools is not none`` must be false when no tools are given.
+TOOLS_TEMPLATE = """{%- if tools is not none %}
+    {{- '<|start_header_id|>system<|end_header_id|>\\n\\n# Tools\\n' }}
+    {%- for tool in tools %}
+        {{- tool | tojson }}{{- '\\n' }}
+    {%- endfor %}
+    {{- '<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+    {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content }}
+    {{- '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather <now> in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize("tools", [None, [WEATHER]], ids=["no-tools", "tools"])
+def test_tools_are_none_unless_given_as_in_transformers(llama, tools):
+    pre, ref = llama
+    ours = ChatTemplate(TOOLS_TEMPLATE, pre.template.special_tokens)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    want = ref.apply_chat_template(
+        messages,
+        tools=tools,
+        chat_template=TOOLS_TEMPLATE,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert ours.render(messages, tools=tools) == want
+    assert ("# Tools" in want) == (tools is not None)
+
+
+def test_has_media():
+    from omniflow.chat import has_media
+
+    assert not has_media([{"role": "user", "content": "hi"}])
+    assert not has_media([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert has_media([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    assert has_media([{"role": "user", "content": [{"type": "input_audio"}]}])

@@ -7,7 +7,7 @@ from omniflow.chat.preprocess import (
     load_tokenizer,
     read_eos_token_ids,
 )
-from omniflow.chat.template import MEDIA_PLACEHOLDERS, ChatTemplate, normalize_messages
+from omniflow.chat.template import MEDIA_PLACEHOLDERS, ChatTemplate, has_media, normalize_messages
 
 __all__ = [
     "MEDIA_PLACEHOLDERS",
@@ -15,6 +15,7 @@ __all__ = [
     "Preprocessor",
     "acached_preprocessor",
     "cached_preprocessor",
+    "has_media",
     "load_tokenizer",
     "normalize_messages",
     "read_eos_token_ids",

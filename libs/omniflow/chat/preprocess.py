@@ -131,7 +131,12 @@ class Preprocessor:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def encode_chat(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
-        """Rendered with the template, then tokenized without adding special tokens again."""
+        """Rendered with the template, then tokenized without adding special tokens again.
+
+        For text chats: a media part's placeholder would be tokenized as text here, while
+        the worker puts the encoder's embeddings there (check ``has_media`` first and send
+        such a chat as messages).
+        """
         return self.encode_piece(self.render_chat(messages, add_generation_prompt))
 
     def encode_text(self, text: str) -> list[int]:

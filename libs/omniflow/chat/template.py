@@ -196,6 +196,9 @@ class ChatTemplate:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
         **kwargs: Any,
     ) -> str:
         """The prompt text of ``messages`` (OpenAI-style dicts; content a string or parts).
@@ -207,8 +210,14 @@ class ChatTemplate:
         chat = normalize_messages(messages, self.content_format)
         context = {**self.special_tokens, **kwargs}
         try:
+            # tools and documents are always defined (None when absent), as in transformers:
+            # templates test ``tools is not none``, which an undefined name would pass.
             return self._compiled.render(
-                messages=chat, add_generation_prompt=add_generation_prompt, **context
+                messages=chat,
+                tools=None if tools is None else [dict(t) for t in tools],
+                documents=None if documents is None else [dict(d) for d in documents],
+                add_generation_prompt=add_generation_prompt,
+                **context,
             )
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidArgument(
@@ -219,6 +228,17 @@ class ChatTemplate:
                 f"the chat template of {self.model} failed on the messages: "
                 f"{type(exc).__name__}: {exc}"
             ) from None
+
+
+def has_media(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether any message has an image or audio part (such a chat needs the worker's
+    multimodal path: its ids depend on the encoder's output length)."""
+    for m in messages:
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if isinstance(content, Sequence) and not isinstance(content, str):
+            if any(isinstance(p, Mapping) and media_kind(p) for p in content):
+                return True
+    return False
 
 
 def media_kind(part: Mapping[str, Any]) -> str:
