@@ -114,7 +114,9 @@ class RunChunk:
 
 
 def _strategy(name: str) -> int:
-    return router_pb2.Strategy.Value(f"STRATEGY_{name.upper()}") if name else 0
+    if not name or name == "router":  # the router's default for the role
+        return 0
+    return router_pb2.Strategy.Value(f"STRATEGY_{name.upper()}")
 
 
 def _sampling_proto(s: Sampling) -> common_pb2.SamplingParams:

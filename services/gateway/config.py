@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 from omniflow.config import CommonSettings, setting
 
-LLM_STRATEGIES = ("kv_aware", "round_robin", "least_outstanding", "power_of_two", "random", "")
+# "router": leave the choice to the router's default for the role.
+LLM_STRATEGIES = (
+    "kv_aware",
+    "round_robin",
+    "least_outstanding",
+    "power_of_two",
+    "random",
+    "router",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +64,7 @@ class GatewaySettings(CommonSettings):
     llm_strategy: str = setting(
         "OMNIFLOW_GATEWAY_LLM_STRATEGY",
         "kv_aware",
-        "routing strategy of llm calls (empty: the router's default for the role)",
+        "routing strategy of llm calls (router: the router's default for the role)",
         choices=LLM_STRATEGIES,
     )
     router_addr: str = setting(

@@ -87,7 +87,7 @@ async def serve(settings: GatewaySettings) -> int:
     )
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
+    while not server.started and not task.done():  # noqa: ASYNC110 - uvicorn has no started event
         await asyncio.sleep(0.01)
     if task.done():
         log.error("gateway failed to start: %s", task.exception())

@@ -15,6 +15,7 @@ from omniflow.logsetup import setup_logging
 def _settings_table() -> str:
     from omniflow.config import CommonSettings, settings_table
     from omniflow_services.coordinator.config import CoordinatorSettings
+    from omniflow_services.gateway.config import GatewaySettings
     from omniflow_services.kv_agent.config import KVAgentSettings
     from omniflow_services.kv_index.config import KVIndexSettings
     from omniflow_services.router.config import RouterSettings
@@ -27,6 +28,7 @@ def _settings_table() -> str:
         KVIndexSettings,
         KVAgentSettings,
         WorkerSettings,
+        GatewaySettings,
     )
 
 
