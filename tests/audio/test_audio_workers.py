@@ -1,0 +1,116 @@
+"""Real worker processes: an encoder worker with Whisper tiny.en transcribes through Invoke
+(and says so in discovery), a talker worker speaks with the Piper voice; bad input is
+INVALID_ARGUMENT naming the field, and both go on serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from audio_clips import espeak, wer
+
+from omniflow.api.common.v1 import common_pb2
+from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.discovery import make_registry
+from omniflow.rpc.client import open_channel
+from omniflow.workers import WORKER_SERVICE, worker_from_instance
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
+
+SPOKEN = "Please call Stella and ask her to bring these things with her from the store."
+ANSWER = "The park opens at nine. Bring a warm coat, because the wind is cold."
+
+
+def _env(role: str, model: Path, models_dir: Path) -> dict[str, str]:
+    return {
+        "OMNIFLOW_WORKER_ROLE": role,
+        "OMNIFLOW_WORKER_MODEL": str(model),
+        "OMNIFLOW_MODELS_DIR": str(models_dir),
+        "OMNIFLOW_NODE_ID": "audio-node",
+        "OMNIFLOW_WORKER_TORCH_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+async def _transcribe(stub: worker_pb2_grpc.WorkerServiceStub, audio: common_pb2.Value) -> str:
+    reply = await stub.Invoke(
+        worker_pb2.InvokeRequest(operation="transcribe", inputs={"audio": audio}), timeout=120
+    )
+    return reply.outputs["text"].text
+
+
+async def _speak(stub: worker_pb2_grpc.WorkerServiceStub, text: str, rate: int = 0) -> list:
+    call = stub.Synthesize(worker_pb2.SynthesizeRequest(text=text, sample_rate=rate), timeout=120)
+    return [c async for c in call]
+
+
+async def test_transcribe_and_speak_through_workers(
+    launch, private_redis, whisper_dir: Path, piper_dir: Path, tmp_path: Path
+) -> None:
+    enc = launch(
+        "omniflow_services.worker", "whisper-enc", **_env("encoder", whisper_dir, tmp_path)
+    )
+    tlk = launch("omniflow_services.worker", "piper-talker", **_env("talker", piper_dir, tmp_path))
+    enc.wait_ready(180)
+    tlk.wait_ready(180)
+
+    registry = make_registry("redis", url=private_redis.url)
+    try:
+        found = {
+            i.instance_id: worker_from_instance(i) for i in await registry.list(WORKER_SERVICE)
+        }
+    finally:
+        await registry.close()
+    # The router and coordinator find transcribe by the operations a worker registers.
+    assert "transcribe" in found["whisper-enc"].operations
+    assert "synthesize" in found["piper-talker"].operations
+
+    async with open_channel(enc.address) as ech, open_channel(tlk.address) as tch:
+        e, t = worker_pb2_grpc.WorkerServiceStub(ech), worker_pb2_grpc.WorkerServiceStub(tch)
+        info = await e.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+        assert "transcribe" in info.info.operations
+
+        text = await _transcribe(e, common_pb2.Value(bytes_value=espeak(SPOKEN)))
+        assert wer(SPOKEN, text) <= 0.25, text
+
+        chunks = await _speak(t, ANSWER)
+        assert len(chunks) == 2 and chunks[-1].last and not chunks[0].last
+        assert {c.sample_rate for c in chunks} == {16000}
+        assert chunks[0].pcm_s16le  # the first sentence arrives before the second
+        media = common_pb2.Value(
+            media=common_pb2.MediaItem(kind=common_pb2.MediaItem.KIND_AUDIO, data=chunks[-1].wav)
+        )
+        heard = await _transcribe(e, media)
+        assert wer(ANSWER, heard) <= 0.25, heard
+        native = await _speak(t, "Hello there.", 22050)
+        assert native[-1].sample_rate == 22050 and native[-1].wav
+
+        bad = [
+            (e.Invoke(worker_pb2.InvokeRequest(operation="transcribe",
+                      inputs={"audio": common_pb2.Value(bytes_value=b"\x01not audio" * 40)}),
+                      timeout=30), "inputs.audio: not a decodable audio file"),
+            (e.Invoke(worker_pb2.InvokeRequest(operation="transcribe",
+                      inputs={"speech": common_pb2.Value(text="x")}), timeout=30),
+             "inputs.audio is missing"),
+            (e.Invoke(worker_pb2.InvokeRequest(operation="transcribe",
+                      inputs={"audio": common_pb2.Value(text="hello")}), timeout=30),
+             "inputs.audio is a text"),
+            (_speak(t, ""), "text is empty"),
+            (_speak(t, "Hello.", 1000), "sample_rate 1000 Hz is out of range"),
+        ]  # fmt: skip
+        for call, message in bad:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert message in (err.value.details() or ""), err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await t.Invoke(worker_pb2.InvokeRequest(operation="transcribe"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # a talker, not an encoder
+
+        # Both keep serving after the bad calls.
+        assert (
+            wer(SPOKEN, await _transcribe(e, common_pb2.Value(bytes_value=espeak(SPOKEN)))) <= 0.25
+        )
+        assert (await _speak(t, "Still here."))[-1].wav
+    assert enc.popen.poll() is None and tlk.popen.poll() is None
