@@ -9,12 +9,25 @@
 
 Failed calls raise the domain errors of :mod:`omniflow.errors` (NotFound,
 InvalidArgument, ResourceExhausted, ...).
+
+Failover: the client knows every coordinator it can find — the addresses given
+(comma-separated), ``OMNIFLOW_COORDINATOR_ADDR``, or those of the local topology's
+``state.json`` and of its discovery — and a call that finds its coordinator UNAVAILABLE
+moves to the next one, with doubling backoff, for up to ``failover_s``. Runs carry a
+client-made id, so a submission retried elsewhere is the same run; a run's event stream
+that breaks resumes on another coordinator from the last event seen, and waits (up to
+``resume_s``) for a run whose coordinator died to be adopted and ended.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import os
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,28 +43,67 @@ from omniflow.rpc.client import open_channel
 from omniflow.rpc.status import error_from_rpc
 from omniflow.values import from_python, to_python
 
+log = logging.getLogger(__name__)
+
 STREAM_TIMEOUT_S = 24 * 3600.0
 STATE_NAMES = {v: k.removeprefix("RUN_STATE_").lower() for k, v in cpb.RunState.items()}
+FAILOVER_S = 15.0  # how long a call keeps trying coordinators
+RESUME_S = 60.0  # how long a broken run stream waits for its run to end elsewhere
+_BACKOFF_S, _MAX_BACKOFF_S = 0.1, 2.0
 
 
-def coordinator_address(explicit: str = "") -> str:
-    """The coordinator's address: the argument, ``OMNIFLOW_COORDINATOR_ADDR``, or the one
-    ``omniflow up`` recorded in its run folder."""
-    if explicit:
-        return explicit
-    env = os.environ.get("OMNIFLOW_COORDINATOR_ADDR", "")
-    if env:
-        return env
-    folder = Path(os.environ.get("OMNIFLOW_RUN_DIR", ".omniflow/run"))
-    state = folder / "state.json"
-    if state.exists():
-        for proc in json.loads(state.read_text()).get("procs", []):
-            if proc.get("service") == "coordinator" and proc.get("address"):
-                return str(proc["address"])
+def _split(addresses: str) -> list[str]:
+    return [a.strip() for a in addresses.split(",") if a.strip()]
+
+
+def _local_state() -> dict[str, Any]:
+    state = Path(os.environ.get("OMNIFLOW_RUN_DIR", ".omniflow/run")) / "state.json"
+    try:
+        return dict(json.loads(state.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def coordinator_addresses(explicit: str = "") -> list[str]:
+    """Every coordinator address known without a network call: the argument or
+    ``OMNIFLOW_COORDINATOR_ADDR`` (comma-separated), else those ``omniflow up``
+    recorded in its run folder."""
+    given = _split(explicit) or _split(os.environ.get("OMNIFLOW_COORDINATOR_ADDR", ""))
+    if given:
+        return given
+    found = [
+        str(p["address"])
+        for p in _local_state().get("procs", [])
+        if p.get("service") == "coordinator" and p.get("address")
+    ]
+    if found:
+        return found
     raise Unavailable(
         "no coordinator address: pass --coordinator, set OMNIFLOW_COORDINATOR_ADDR, "
         "or start the local topology with `omniflow up`"
     )
+
+
+def coordinator_address(explicit: str = "") -> str:
+    """The first coordinator address (see :func:`coordinator_addresses`)."""
+    return coordinator_addresses(explicit)[0]
+
+
+async def _discovered() -> list[str]:
+    """Coordinators registered in the local topology's discovery (Redis), if any."""
+    url = str(_local_state().get("env", {}).get("OMNIFLOW_REDIS_URL", ""))
+    if not url:
+        return []
+    from omniflow.discovery import make_registry  # only when failing over
+
+    registry = make_registry("redis", url=url, timeout_s=1.0)
+    try:
+        return [i.address for i in await registry.list("coordinator")]
+    except Exception:  # discovery itself may be what is down
+        return []
+    finally:
+        with contextlib.suppress(Exception):
+            await registry.close()
 
 
 @dataclass(slots=True)
@@ -70,12 +122,22 @@ class RunResult:
 
 
 class Client:
-    """A coordinator client over one channel."""
+    """A coordinator client that fails over between coordinators (module docstring)."""
 
-    def __init__(self, address: str = "", *, timeout_s: float = 30.0) -> None:
-        self.address = coordinator_address(address)
-        self._channel = open_channel(self.address, default_timeout_s=timeout_s)
-        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+    def __init__(
+        self,
+        address: str = "",
+        *,
+        timeout_s: float = 30.0,
+        failover_s: float = FAILOVER_S,
+        resume_s: float = RESUME_S,
+    ) -> None:
+        self._explicit = address
+        self._addresses = coordinator_addresses(address)
+        self.address = self._addresses[0]
+        self.timeout_s, self.failover_s, self.resume_s = timeout_s, failover_s, resume_s
+        self._channels: dict[str, tuple[Any, coordinator_pb2_grpc.CoordinatorServiceStub]] = {}
+        self.failovers = 0
 
     async def __aenter__(self) -> Client:
         return self
@@ -84,13 +146,54 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel, _ in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    @property
+    def _stub(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
+        entry = self._channels.get(self.address)
+        if entry is None:
+            channel = open_channel(self.address, default_timeout_s=self.timeout_s)
+            entry = (channel, coordinator_pb2_grpc.CoordinatorServiceStub(channel))
+            self._channels[self.address] = entry
+        return entry[1]
+
+    async def _fail_over(self) -> None:
+        """Move to the next coordinator, re-reading where they are (a restarted one
+        may have moved; the local topology's discovery may know more)."""
+        self.failovers += 1
+        known = list(self._addresses)
+        with contextlib.suppress(Unavailable):
+            known += [a for a in coordinator_addresses(self._explicit) if a not in known]
+        if not self._explicit:
+            known += [a for a in await _discovered() if a not in known]
+        self._addresses = known
+        i = known.index(self.address) if self.address in known else -1
+        nxt = known[(i + 1) % len(known)]
+        log.info("coordinator %s unavailable; trying %s", self.address, nxt)
+        self.address = nxt
+
+    async def _retrying(self, attempt: Any, budget_s: float | None = None) -> Any:
+        """``await attempt()`` until it succeeds, fails with anything but UNAVAILABLE,
+        or ``budget_s`` (default ``failover_s``) is spent; fails over in between."""
+        end = time.monotonic() + (self.failover_s if budget_s is None else budget_s)
+        backoff = _BACKOFF_S
+        while True:
+            try:
+                return await attempt()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + backoff > end:
+                    raise error_from_rpc(exc) from None
+            except Unavailable:
+                if time.monotonic() + backoff > end:
+                    raise
+            await self._fail_over()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
     async def _call(self, method: str, request: Any, **kw: Any) -> Any:
-        try:
-            return await getattr(self._stub, method)(request, **kw)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        return await self._retrying(lambda: getattr(self._stub, method)(request, **kw))
 
     # -- workflows
     async def register(self, workflow: Workflow | cpb.WorkflowGraph) -> int:
@@ -117,7 +220,8 @@ class Client:
             version=version,
             inputs={k: from_python(v, f"input {k!r}") for k, v in inputs.items()},
             deadline_ms=deadline_ms,
-            run_id=run_id,
+            # Made here: a submission retried on another coordinator is the same run.
+            run_id=run_id or uuid.uuid4().hex,
         )
 
     async def submit(
@@ -142,27 +246,57 @@ class Client:
         deadline_ms: int = 0,
         run_id: str = "",
     ) -> AsyncIterator[cpb.RunEvent]:
-        """Start a run and yield its events until it finishes."""
+        """Start a run and yield its events until it finishes (across coordinators)."""
         req = self._request(workflow, inputs, version, deadline_ms, run_id)
         # The stream lasts as long as the run: the run's own deadline (plus slack) bounds it.
         timeout = deadline_ms / 1000 + 10 if deadline_ms else STREAM_TIMEOUT_S
-        call = self._stub.RunWorkflow(req, timeout=timeout)
+        seen = 0
         try:
-            async for event in call:
+            async for event in self._stub.RunWorkflow(req, timeout=timeout):
+                seen = event.seq
                 yield event
+                if event.HasField("run_finished"):
+                    return
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise error_from_rpc(exc) from None
+            log.info("run %s: stream broke (%s); resuming elsewhere", req.run_id, exc.details())
+        # Accepted or not, the id is ours: submit again (idempotent), then follow it.
+        if seen == 0:
+            await self._call("SubmitRun", req)
+        async for event in self.events(req.run_id, seen + 1):
+            yield event
 
     async def events(self, run_id: str, from_seq: int = 0) -> AsyncIterator[cpb.RunEvent]:
-        """A run's events from ``from_seq`` (replayed), then live until it finishes."""
-        call = self._stub.StreamRunEvents(
-            cpb.StreamRunEventsRequest(run_id=run_id, from_seq=from_seq), timeout=STREAM_TIMEOUT_S
-        )
-        try:
-            async for event in call:
-                yield event
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        """A run's events from ``from_seq`` (replayed), then live until it finishes.
+
+        A stream that breaks (or ends before RunFinished: the run's coordinator died and
+        the run is not adopted yet) resumes on a coordinator from the last event seen,
+        for up to ``resume_s``."""
+        next_seq = from_seq
+        end = time.monotonic() + self.resume_s
+        backoff = _BACKOFF_S
+        while True:
+            req = cpb.StreamRunEventsRequest(run_id=run_id, from_seq=next_seq)
+            try:
+                async for event in self._stub.StreamRunEvents(req, timeout=STREAM_TIMEOUT_S):
+                    next_seq = event.seq + 1
+                    yield event
+                    if event.HasField("run_finished"):
+                        return
+                error: Exception = Unavailable(f"run {run_id} has not finished yet")
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise error_from_rpc(exc) from None
+                error = error_from_rpc(exc)
+                await self._fail_over()
+            if time.monotonic() + backoff > end:
+                raise Unavailable(
+                    f"run {run_id}: no coordinator reported its end within {self.resume_s:.0f}"
+                    f" s ({error})"
+                )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
     async def run(
         self,

@@ -384,8 +384,8 @@ class RunManager:
         run_id: str = "",
     ) -> str:
         """Start a run; returns its id at once. RESOURCE_EXHAUSTED when at the limit."""
-        if run_id and (run_id in self.live or await self.redis.exists(run_key(run_id))):
-            return run_id  # idempotent resubmission
+        if run_id and (run_id in self.live or await self._known(run_id)):
+            return run_id  # idempotent resubmission (a client failing over resubmits)
         if len(self.live) >= self.max_runs:
             raise ResourceExhausted(
                 f"{len(self.live)} runs in progress, the limit is {self.max_runs}; retry later"
@@ -426,6 +426,15 @@ class RunManager:
             live.task.cancel()
             raise Unavailable(f"run {run_id} not started: Redis does not answer ({exc})") from exc
         return run_id
+
+    async def _known(self, run_id: str) -> bool:
+        """Whether Redis knows the run: its record, or its active entry (a run whose
+        coordinator died before its first flush)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(run_key(run_id))
+            pipe.hexists(ACTIVE_KEY, run_id)
+            record, active = await pipe.execute()
+        return bool(record or active)
 
     def _start(
         self,
@@ -606,10 +615,20 @@ class RunManager:
             live.listeners -= 1
 
     async def _stored_events(self, run_id: str, from_seq: int) -> AsyncIterator[cpb.RunEvent]:
-        if not await self.redis.exists(run_key(run_id)):
+        if not await self._known(run_id):
             raise NotFound(f"unknown run {run_id!r}")
         key = f"{run_key(run_id)}:events"
         start = max(from_seq - 1, 0)
+        if start and start >= await self.redis.llen(key):
+            # The caller saw more than was recorded (its coordinator died before a flush,
+            # then the run was adopted and ended): still give it the end of the run.
+            last = await self.redis.lindex(key, -1)
+            if last is not None:
+                ev = cpb.RunEvent()
+                ev.ParseFromString(last)
+                if ev.HasField("run_finished"):
+                    yield ev
+            return
         while True:
             batch = await self.redis.lrange(key, start, start + 255)
             for raw in batch:

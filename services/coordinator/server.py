@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -13,8 +12,6 @@ from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.errors import InvalidArgument, Unavailable
 from omniflow.localredis import redact_url, redis_client
-from omniflow.rpc.client import open_channel
-from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import error_from_rpc
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
@@ -23,11 +20,11 @@ from omniflow_services.coordinator.config import CoordinatorSettings
 from omniflow_services.coordinator.core import WorkflowCatalogue
 from omniflow_services.coordinator.kvhints import KVHinter
 from omniflow_services.coordinator.limits import RunLimits
+from omniflow_services.coordinator.routers import RouterPool
 from omniflow_services.coordinator.runs import RunManager
 
 log = logging.getLogger(__name__)
 
-ROUTER_RECHECK_S = 2.0
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -122,10 +119,8 @@ class CoordinatorApp(ServiceApp):
         self.settings = settings
         self.runtime: Runtime | None = None
         self._redis: aioredis.Redis | None = None
-        self._router: tuple[str, TracedChannel] | None = None
+        self._routers: RouterPool | None = None
         self._runs: RunManager | None = None
-        self._router_checked = 0.0
-        self._router_stub_cached: router_pb2_grpc.RouterServiceStub | None = None
         self._caller: GrpcWorkerCaller | None = None
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
@@ -142,6 +137,11 @@ class CoordinatorApp(ServiceApp):
         except Exception as exc:
             where = redact_url(self.settings.redis_url)
             raise Unavailable(f"Redis at {where} does not answer: {exc}") from exc
+        self._routers = RouterPool(
+            self._list_routers,
+            fixed=self.settings.router_addr,
+            call_timeout_s=self.settings.call_timeout_s,
+        )
         self._caller = GrpcWorkerCaller(
             self._router_stub,
             pick_timeout_s=self.settings.pick_timeout_s,
@@ -177,47 +177,28 @@ class CoordinatorApp(ServiceApp):
         return [worker_from_instance(i) for i in await self.runtime.registry.list(WORKER_SERVICE)]
 
     async def _router_stub(self) -> router_pb2_grpc.RouterServiceStub:
-        return (await self.router())[1]
+        assert self._routers is not None, "started"
+        return self._routers.stub  # type: ignore[return-value]  # fails over between routers
+
+    async def _list_routers(self) -> list[str]:
+        assert self.runtime is not None
+        return [i.address for i in await self.runtime.registry.list("router")]
 
     def catalogue(self) -> WorkflowCatalogue:
         return self.runs().catalogue  # one catalogue: its graph cache serves runs too
 
     async def router(self) -> tuple[str, router_pb2_grpc.RouterServiceStub]:
-        """The router's address and a stub, from settings or discovery.
-
-        A discovered address is reused for ``ROUTER_RECHECK_S`` so that a node call
-        does not cost a discovery lookup.
-        """
-        loop = asyncio.get_running_loop()
-        if self._router is not None and loop.time() < self._router_checked + ROUTER_RECHECK_S:
-            return self._router[0], self._router_stub_cached
-        address = self.settings.router_addr
-        if not address:
-            assert self.runtime is not None
-            routers = await self.runtime.registry.list("router")
-            if not routers:
-                raise Unavailable("no router is registered in discovery")
-            address = routers[0].address
-        if self._router is None or self._router[0] != address:
-            if self._router is not None:
-                await self._router[1].close()
-            channel = open_channel(
-                address,
-                default_timeout_s=self.settings.call_timeout_s,
-                idempotent=("omniflow.api.router.v1.RouterService/ListWorkers",),
-                max_in_flight=None,
-            )
-            self._router = (address, channel)
-            self._router_stub_cached = router_pb2_grpc.RouterServiceStub(channel)
-        self._router_checked = loop.time()
-        return address, self._router_stub_cached
+        """The router in use (from settings or discovery) and a stub that fails over."""
+        assert self._routers is not None, "started"
+        address, _ = await self._routers.current()
+        return address, self._routers.stub  # type: ignore[return-value]
 
     async def stop(self) -> None:
         if self._runs is not None:
             await self._runs.stop()
         if self._caller is not None:
             await self._caller.close()
-        if self._router is not None:
-            await self._router[1].close()
+        if self._routers is not None:
+            await self._routers.close()
         if self._redis is not None:
             await self._redis.aclose()
