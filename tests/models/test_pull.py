@@ -52,12 +52,12 @@ def test_concurrent_pulls_build_one_folder_and_repeat_is_a_no_op(
     assert (tmp_path / NAME / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-def test_resolve_model_pulls_a_named_source(smol_gguf: Path, tmp_path: Path) -> None:
+def test_resolve_model_finds_a_pulled_source(pulled_models: Path) -> None:
     messages: list[str] = []
-    path = pull(NAME, tmp_path, progress=messages.append)
-    assert any("dequantized" in m for m in messages)
-    assert resolve.resolve_model(NAME, tmp_path) == path
-    assert resolve.resolve_model(str(path), tmp_path) == path  # a folder resolves to itself
+    path = pull(NAME, pulled_models, progress=messages.append)
+    assert messages == []  # already there: nothing rebuilt
+    assert resolve.resolve_model(NAME, pulled_models) == path == pulled_models / NAME
+    assert resolve.resolve_model(str(path), pulled_models) == path  # a folder resolves to itself
 
 
 def test_unknown_source_lists_the_names(tmp_path: Path) -> None:
