@@ -1,0 +1,28 @@
+"""encoder.transcribe is an operation graphs can call (the coordinator sends it through
+Invoke, as it does every operation without a method of its own)."""
+
+from __future__ import annotations
+
+import pytest
+
+from omniflow.dsl import VType, Workflow
+from omniflow.dsl.ops import signature
+from omniflow.dsl.validate import validate_graph
+from omniflow.errors import InvalidArgument
+
+
+def test_transcribe_signature_and_graph() -> None:
+    sig = signature("encoder", "transcribe")
+    assert set(sig.inputs) == {"audio"} and sig.outputs == {"text": VType.TEXT}
+    wf = Workflow("hear")
+    audio = wf.input("audio", VType.BYTES)
+    heard = wf.call("asr", "encoder", "transcribe", audio=audio)
+    wf.output("text", heard["text"])
+    graph = wf.compile()
+    validate_graph(graph)
+    (node,) = graph.nodes
+    assert (node.call.role, node.call.operation) == ("encoder", "transcribe")
+    other = Workflow("bad")
+    bad = other.call("asr", "encoder", "transcribe", audio=other.input("audio", VType.BYTES))
+    with pytest.raises(InvalidArgument, match=r"node 'asr' has no output 'words'; outputs: text"):
+        bad["words"]
