@@ -194,8 +194,12 @@ def pull(
 
     source = get_source(name)
     root = (models_dir or DEFAULT_MODELS_DIR).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
     target = root / name
+    # The marker is written before the rename, so a folder that has it is complete; checking
+    # first also lets workers read a cache mounted read-only without taking the lock.
+    if (target / _DONE).is_file() and not force:
+        return target
+    root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / _DONE).is_file() and not force:
