@@ -61,8 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--write", type=Path, help="replace the table between the settings markers of FILE"
     )
     workflow_cli.add_subcommands(sub)
-    p_models = sub.add_parser("models", help="model utilities")
-    p_models.add_argument("args", nargs=argparse.REMAINDER, help="e.g. make-tiny --arch qwen2 ...")
+    p_models = sub.add_parser(
+        "models", help="model tools: pull NAME, list, convert-gguf FILE OUT, make-tiny"
+    )
+    p_models.add_argument(
+        "args", nargs=argparse.REMAINDER, help="e.g. pull smollm2-135m-instruct; -h for each"
+    )
     return parser
 
 
