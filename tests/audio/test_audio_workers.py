@@ -19,7 +19,7 @@ from omniflow.workers import WORKER_SERVICE, worker_from_instance
 pytestmark = [pytest.mark.asyncio, pytest.mark.integration]
 
 SPOKEN = "Please call Stella and ask her to bring these things with her from the store."
-ANSWER = "The park opens at nine. Bring a warm coat, because the wind is cold."
+ANSWER = "The park opens in the morning. Bring a warm coat, because the wind is cold."
 
 
 def _env(role: str, model: Path, models_dir: Path) -> dict[str, str]:

@@ -133,6 +133,14 @@ def test_encode_embeddings_per_25_hz(ours: WhisperEncoder) -> None:
     assert torch.isfinite(emb).all()
 
 
+def test_role_encodes_whisper_audio_once(ours: WhisperEncoder) -> None:
+    role = EncoderRole([ours])
+    item = MediaInput(AUDIO, encode_audio(tone(1.0), 16000), "items[0]")
+    first, again = role.encode_sync([item]), role.encode_sync([item])
+    assert first[0].embeddings.shape == (25, ours.out_hidden) and not first[0].cached
+    assert again[0].cached and torch.equal(again[0].embeddings, first[0].embeddings)
+
+
 async def test_role_transcribes_and_says_what_is_wrong(ours: WhisperEncoder) -> None:
     role = EncoderRole([ours])
     assert role.operations == ("transcribe",)
