@@ -24,7 +24,12 @@ from omniflow.localredis import RedisProcess
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("OMNIFLOW_VLLM_VENV", "~/.cache/omniflow/venvs/vllm")).expanduser()
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
-MODEL_DIR = Path("~/.cache/omniflow/models/smollm2-135m-instruct").expanduser()
+MODEL_DIR = Path(
+    os.environ.get("OMNIFLOW_VLLM_TEST_MODEL", "~/.cache/omniflow/models/smollm2-135m-instruct")
+).expanduser()
+# tests/gpu/run_vllm_gpu.sh sets cuda; vLLM CPU's attention takes only blocks of 32 tokens.
+DEVICE = os.environ.get("OMNIFLOW_VLLM_TEST_DEVICE", "cpu")
+BLOCK = 16 if DEVICE.startswith("cuda") else 32
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LEASE_MS = 8000  # long enough that a SIGKILLed agent is still named while we ask
 # vLLM on the small shared CI machine: one thread, a small KV pool.
@@ -124,6 +129,7 @@ class VLLMCluster:
             "worker", name, python=str(VLLM_PYTHON), OMNIFLOW_NODE_ID=node,
             OMNIFLOW_WORKER_ENGINE="vllm", OMNIFLOW_WORKER_MODEL=str(self.model),
             OMNIFLOW_WORKER_DTYPE="bfloat16", OMNIFLOW_KV_AGENT_ADDR=agent_address,
+            OMNIFLOW_WORKER_DEVICE=DEVICE,
             OMNIFLOW_WORKER_KV_BYTES=str(128 * 1024 * 1024), **VLLM_ENV,
         )  # fmt: skip
 
@@ -146,27 +152,42 @@ class VLLMCluster:
             path.unlink(missing_ok=True)
 
 
-def run_vllm_alone(model: Path, prompts: list[list[int]], max_tokens: int, tmp: Path) -> list:
+def run_vllm_alone(
+    model: Path, prompts: list[list[int]], max_tokens: int, tmp: Path, fresh: list[bool]
+) -> list:
     """Greedy token ids of each prompt from vLLM alone (``LLM.generate`` in its venv, one
-    prompt at a time, the worker's block size and dtype), as a subprocess."""
+    prompt at a time, the worker's block size and dtype), as a subprocess. A ``fresh``
+    prompt runs after vLLM's prefix cache is emptied: computing a prefix anew and reusing
+    its KV can round differently in bfloat16, so the reference takes the worker's path."""
     script = tmp / "vllm_alone.py"
     script.write_text(
         "import json, sys\n"
         "def main():\n"
         "    from vllm import LLM, SamplingParams\n"
         "    args = json.loads(sys.argv[1])\n"
-        "    llm = LLM(model=args['model'], dtype='bfloat16', block_size=32,\n"
-        "              enforce_eager=True, max_model_len=4096, seed=0)\n"
+        "    llm = LLM(model=args['model'], dtype='bfloat16', block_size=args['block'],\n"
+        "              enforce_eager=args['eager'], max_model_len=4096, seed=0)\n"
         "    sp = SamplingParams(temperature=0.0, max_tokens=args['max_tokens'])\n"
         "    out = []\n"
-        "    for p in args['prompts']:\n"
+        "    for p, fresh in zip(args['prompts'], args['fresh']):\n"
+        "        if fresh:\n"
+        "            llm.reset_prefix_cache()\n"
         "        r = llm.generate([{'prompt_token_ids': p}], sp, use_tqdm=False)[0]\n"
         "        out.append(list(r.outputs[0].token_ids))\n"
         "    print('RESULT ' + json.dumps(out), flush=True)\n"
         "if __name__ == '__main__':\n"
         "    main()\n"
     )
-    args = json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens})
+    args = json.dumps(
+        {
+            "model": str(model),
+            "prompts": prompts,
+            "max_tokens": max_tokens,
+            "fresh": fresh,
+            "block": BLOCK,
+            "eager": DEVICE == "cpu",  # as the worker starts vLLM
+        }
+    )
     done = subprocess.run(
         [str(VLLM_PYTHON), str(script), args],
         capture_output=True, text=True, timeout=600, cwd=tmp,

@@ -25,6 +25,7 @@ KV usage).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib.util
 import itertools
 import logging
@@ -264,6 +265,8 @@ class VLLMRole(LLMRole):
         # CPU); health stays NOT_SERVING meanwhile.
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[logger_cls])
         engine = VLLMEngine(llm, layout, load_tokenizer(model_dir), cfg, stats)
+        # Ends vLLM's engine processes at exit, while the interpreter is still whole.
+        atexit.register(engine.shutdown)
         log.info(
             "vLLM engine up: %s, block %d, %d KV pages of %d tokens, namespace %s",
             model_dir,

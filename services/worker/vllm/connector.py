@@ -33,6 +33,7 @@ node), off the step. Loads are synchronous within the step (``load_kv_async`` Fa
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import re
 import threading
@@ -50,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import ROOT_PARENT, KVLayout, hash_page
+from omniflow.logsetup import setup_logging
 from omniflow_services.worker.sglang_transport import AgentPageStore
 from omniflow_services.worker.vllm.pages import BlockFormat
 
@@ -197,6 +199,8 @@ class OmniflowConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if not logging.getLogger().handlers:  # vLLM's engine processes configure only "vllm"
+            setup_logging(f"vllm-{role.name.lower()}", os.environ.get("OMNIFLOW_LOG_LEVEL", "INFO"))
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = ConnectorConfig.from_extra(extra)
         self.layout = self.config.layout
