@@ -12,6 +12,7 @@ from omniflow.errors import InvalidArgument
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
+MATMULS = ("auto", "onednn", "aten")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +105,9 @@ class EngineConfig:
     ``max_num_seqs`` bounds how many requests run at once. ``max_model_len`` caps the
     context (default and upper bound: the model's ``max_position_embeddings``).
     ``model_id`` names the model in the KV namespace (default: the folder's name); workers
-    that should share KV pages must agree on it.
+    that should share KV pages must agree on it. ``matmul`` picks the linear layers' kernel:
+    "onednn" (weights prepacked once; CPU bfloat16 only), "aten" (``F.linear``) or "auto"
+    (onednn where it applies).
     """
 
     dtype: str = "float32"
@@ -117,6 +120,7 @@ class EngineConfig:
     max_model_len: int | None = None
     model_id: str | None = None
     enable_prefix_cache: bool = True
+    matmul: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -125,5 +129,7 @@ class EngineConfig:
             raise InvalidArgument(f"page_size must be > 0, got {self.page_size}")
         if self.num_pages is not None and self.num_pages <= 0:
             raise InvalidArgument(f"num_pages must be > 0, got {self.num_pages}")
+        if self.matmul not in MATMULS:
+            raise InvalidArgument(f"matmul {self.matmul!r} not accepted; accepted: {list(MATMULS)}")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise InvalidArgument("max_num_batched_tokens and max_num_seqs must be > 0")

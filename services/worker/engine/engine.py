@@ -56,7 +56,8 @@ class Engine:
         events: BlockEventSink | None = None,
     ) -> None:
         self.config = cfg = config or EngineConfig()
-        loaded = load_model(model_dir, cfg.dtype, cfg.device)
+        prepack = None if cfg.matmul == "auto" else cfg.matmul == "onednn"
+        loaded = load_model(model_dir, cfg.dtype, cfg.device, prepack)
         self.model_config = mc = loaded.config
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer

@@ -63,8 +63,12 @@ def _read_tensors(files: list[Path], dtype: torch.dtype, device: str) -> dict[st
     return out
 
 
-def load_weights(cfg: ModelConfig, folder: Path, dtype: str, device: str) -> DecoderModel:
-    """Read the checkpoint into a ``DecoderModel`` with fused QKV and gate/up projections."""
+def load_weights(
+    cfg: ModelConfig, folder: Path, dtype: str, device: str, prepack: bool | None = None
+) -> DecoderModel:
+    """Read the checkpoint into a ``DecoderModel`` with fused QKV and gate/up projections.
+
+    ``prepack`` (None: where it applies) reorders linear weights for oneDNN once."""
     t = _read_tensors(_weight_files(folder), TORCH_DTYPES[dtype], device)
 
     def take(name: str) -> torch.Tensor:
@@ -113,7 +117,7 @@ def load_weights(cfg: ModelConfig, folder: Path, dtype: str, device: str) -> Dec
     leftover = [k for k in t if "rotary_emb" not in k]
     if leftover:
         log.warning("ignoring %d unused weights, e.g. %s", len(leftover), leftover[:3])
-    return DecoderModel(cfg, embed, layers, norm, lm_head)
+    return DecoderModel(cfg, embed, layers, norm, lm_head, prepack=prepack)
 
 
 def load_tokenizer(folder: Path) -> Any | None:
@@ -139,11 +143,13 @@ def load_generation_defaults(cfg: ModelConfig, folder: Path) -> GenerationDefaul
     return GenerationDefaults(eos_token_ids=tuple(int(x) for x in eos), bos_token_id=bos)
 
 
-def load_model(folder: str | Path, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+def load_model(
+    folder: str | Path, dtype: str = "float32", device: str = "cpu", prepack: bool | None = None
+) -> LoadedModel:
     """Load everything the engine needs from a Hugging Face-format folder."""
     path = Path(folder)
     if not path.is_dir():
         raise InvalidArgument(f"model folder {folder} does not exist")
     cfg = ModelConfig.from_folder(path)
-    model = load_weights(cfg, path, dtype, device)
+    model = load_weights(cfg, path, dtype, device, prepack)
     return LoadedModel(cfg, model, load_tokenizer(path), load_generation_defaults(cfg, path))

@@ -1,0 +1,237 @@
+"""Generated tokens/s of the built-in engine against vLLM (CPU) and transformers, one run.
+
+The workload of issue 12: SmolLM2-135M-Instruct, random ``--prompt-len`` token prompts,
+exactly ``--output-len`` greedy tokens each, all requests submitted at once, timed from
+submission to the last token (prefill included), at each concurrency and dtype. vLLM runs in
+its own virtualenv (``--vllm-python``, default ~/.cache/omniflow/venvs/vllm) as a subprocess
+driving ``LLM.generate`` with the same token ids; the engine and transformers run here.
+
+    python bench/engine_vs_vllm.py                             # 1, 8, 32 x bf16, fp32
+    python bench/engine_vs_vllm.py --concurrency 1,8 --dtypes bfloat16 --repeat 2
+    python bench/engine_vs_vllm.py --busy 1                    # a second process spins a core
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from omniflow_services.worker.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
+
+DEFAULT_MODEL = Path.home() / ".cache/omniflow/models/smollm2-135m-instruct"
+DEFAULT_VLLM = Path.home() / ".cache/omniflow/venvs/vllm/bin/python"
+
+# Runs inside the vLLM virtualenv: argv[1] is a JSON job; prints one JSON line of results.
+VLLM_SCRIPT = r"""
+import json, sys, time
+job = json.loads(sys.argv[1])
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
+          enable_prefix_caching=False, max_num_seqs=max(job["levels"]), seed=0,
+          max_num_batched_tokens=job["budget"])
+def go(prompts, n):
+    sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert got == n * len(prompts), got
+    return got / dt, [list(o.outputs[0].token_ids) for o in outs]
+go(job["prompts"]["1"][:1], 4)
+res = {}
+for lvl in job["levels"]:
+    best, toks = 0.0, None
+    for _ in range(job["repeat"]):
+        rate, toks = go(job["prompts"][str(lvl)], job["output_len"])
+        best = max(best, rate)
+    res[str(lvl)] = {"tok_s": best, "first": toks[0]}
+print("RESULT " + json.dumps(res), flush=True)
+"""
+
+
+def prompts_for(n: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1000 + n)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], out_len: int) -> tuple[float, list[int]]:
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    first: list[int] = []
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(f"r{i}", tuple(p), params=params))
+    generated = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            generated += len(o.new_token_ids)
+            if o.request_id == "r0":
+                first.extend(o.new_token_ids)
+    elapsed = time.perf_counter() - start
+    assert generated == out_len * len(prompts), generated
+    return generated / elapsed, first
+
+
+def run_hf(hf: torch.nn.Module, prompts: list[list[int]], out_len: int) -> float:
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=out_len,
+            min_new_tokens=out_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        elapsed = time.perf_counter() - start
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / elapsed
+
+
+def run_vllm(
+    args: argparse.Namespace, dtype: str, prompts: dict[int, list[list[int]]]
+) -> dict[str, dict]:
+    job = {
+        "model": str(args.model),
+        "dtype": dtype,
+        "levels": list(prompts),
+        "prompts": {str(k): v for k, v in prompts.items()},
+        "output_len": args.output_len,
+        "repeat": args.repeat,
+        "max_model_len": args.prompt_len + args.output_len + 16,
+        "budget": args.token_budget,
+    }
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    proc = subprocess.run(
+        [str(args.vllm_python), "-c", VLLM_SCRIPT, json.dumps(job)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=args.vllm_timeout,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    sys.stderr.write(proc.stderr[-4000:])
+    raise RuntimeError(f"vLLM run failed (exit {proc.returncode}); its stderr is above")
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="an HF folder")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--token-budget", type=int, default=2048, help="tokens per step (both)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per level; the best is kept")
+    ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM)
+    ap.add_argument("--vllm-timeout", type=float, default=900.0)
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--busy", type=int, default=0, help="processes spinning a core meanwhile")
+    args = ap.parse_args(argv)
+    if not (args.model / "config.json").is_file():
+        print(f"no model at {args.model}: run `omniflow models pull smollm2-135m-instruct`")
+        return 2
+    torch.set_num_threads(args.threads)
+    levels = [int(x) for x in args.concurrency.split(",") if x]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
+    for s in spinners:
+        s.start()
+    load0 = os.getloadavg()
+    rows = []
+    try:
+        for dtype in dtypes:
+            rows += bench_dtype(args, dtype, levels)
+    finally:
+        for s in spinners:
+            s.kill()
+    load1 = os.getloadavg()
+    print(
+        f"\n{args.model.name}: prompt {args.prompt_len}, output {args.output_len}, greedy, "
+        f"{args.threads} torch threads, busy processes {args.busy}, "
+        f"load average before {load0[0]:.2f} after {load1[0]:.2f}"
+    )
+    head = (
+        f"{'dtype':>8} | {'concurrent':>10} | {'vLLM tok/s':>10} | {'Omni-Flow':>10} | "
+        f"{'transformers':>12} | {'Omni/vLLM':>9} | {'same tokens':>11}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        v = f"{r['vllm']:10.1f}" if r["vllm"] else f"{'-':>10}"
+        h = f"{r['hf']:12.1f}" if r["hf"] else f"{'-':>12}"
+        ratio = f"{r['ours'] / r['vllm']:8.2f}x" if r["vllm"] else f"{'-':>9}"
+        same = "-" if r["same"] is None else ("yes" if r["same"] else "no")
+        print(
+            f"{r['dtype']:>8} | {r['n']:>10} | {v} | {r['ours']:10.1f} | {h} | {ratio} | "
+            f"{same:>11}"
+        )
+    return 0
+
+
+def bench_dtype(args: argparse.Namespace, dtype: str, levels: list[int]) -> list[dict]:
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    prompts = {n: prompts_for(n, args.prompt_len, vocab) for n in levels}
+    vllm = {} if args.skip_vllm else run_vllm(args, dtype, prompts)
+    per_req = -(-(args.prompt_len + args.output_len) // 16)
+    cfg = EngineConfig(
+        dtype=dtype,
+        num_pages=per_req * max(levels) + 8,
+        max_num_batched_tokens=args.token_budget,
+        max_num_seqs=max(64, max(levels)),
+        enable_prefix_cache=False,  # random prompts share nothing; measure compute only
+    )
+    engine = Engine(args.model, cfg)
+    run_engine(engine, [prompts[levels[0]][0][:32]], 2)  # warm-up
+    hf = None
+    if not args.skip_hf:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype))
+        hf = hf.eval()
+        hf.generation_config.eos_token_id = None
+        run_hf(hf, [prompts[levels[0]][0][:32]], 2)
+    rows = []
+    for n in levels:
+        best, first = 0.0, []
+        for _ in range(args.repeat):
+            rate, first = run_engine(engine, prompts[n], args.output_len)
+            best = max(best, rate)
+        ref = max(run_hf(hf, prompts[n], args.output_len) for _ in range(args.repeat)) if hf else 0
+        v = vllm.get(str(n))
+        rows.append(
+            {
+                "dtype": dtype,
+                "n": n,
+                "ours": best,
+                "hf": ref,
+                "vllm": v["tok_s"] if v else 0.0,
+                "same": (v["first"] == first) if v else None,
+            }
+        )
+        print(f"{dtype} {n}: ours {best:.1f} hf {ref:.1f} vllm {rows[-1]['vllm']:.1f}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

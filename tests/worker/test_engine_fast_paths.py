@@ -1,0 +1,53 @@
+"""The engine's fast paths keep transformers' results: batched equal-length prompts from
+position 0 (fresh K/V attention) and oneDNN linears with prepacked weights (bfloat16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import TinyModel, greedy, run_all
+
+from omniflow_services.worker.engine.model import build_batch, onednn_usable
+
+
+def test_equal_length_prompts_run_as_one_fresh_batch(tiny: TinyModel) -> None:
+    prompts = [tiny.prompt(24, seed=60 + i) for i in range(4)] + [tiny.prompt(9, seed=70)]
+    engine = tiny.engine(max_num_batched_tokens=256)
+    res = run_all(engine, [greedy(f"r{i}", p, 6) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        tiny.check(p, res[f"r{i}"])
+
+
+def test_build_batch_groups_consecutive_fresh_prompts() -> None:
+    from omniflow_services.worker.engine.model import SeqInput
+
+    seqs = [
+        SeqInput([1] * 5, 0, [0], True),
+        SeqInput([1] * 5, 0, [1], True),
+        SeqInput([2], 7, [2], True),  # a decode row breaks the run
+        SeqInput([1] * 5, 0, [3], True),
+        SeqInput([1] * 3, 4, [4], True),  # continues a prompt: attends through its pages
+    ]
+    b = build_batch(seqs, 8, torch.device("cpu"))
+    assert [(r.row0, r.count, r.q_len) for r in b.fresh] == [(0, 2, 5), (11, 1, 5)]
+    assert len(b.prefills) == 1 and b.prefills[0].q_start == 16
+    assert b.slots.tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12, 23, 24, 25, 26, 27, 28, 36, 37, 38]
+    assert not b.all_decode
+
+
+@pytest.mark.skipif(
+    not onednn_usable(torch.bfloat16, torch.device("cpu")), reason="needs oneDNN with bf16"
+)
+def test_prepacked_bfloat16_matches_aten_bfloat16(tiny: TinyModel) -> None:
+    prompts = [tiny.prompt(20, seed=80), tiny.prompt(33, seed=81)]
+    reqs = [greedy(f"r{i}", p, 8) for i, p in enumerate(prompts)]
+    packed = tiny.engine(dtype="bfloat16", matmul="onednn")
+    plain = tiny.engine(dtype="bfloat16", matmul="aten")
+    assert packed.model.prepacked and not plain.model.prepacked
+    a, b = run_all(packed, reqs), run_all(plain, reqs)
+    for i in range(len(prompts)):
+        ra, rb = a[f"r{i}"], b[f"r{i}"]
+        assert ra.logits is not None and rb.logits is not None
+        # Same kernels up to accumulation order: bfloat16 rounding, not a different model.
+        torch.testing.assert_close(ra.logits, rb.logits, atol=0.05, rtol=0.02)
+        assert ra.tokens[:4] == rb.tokens[:4]
