@@ -47,7 +47,7 @@ class LLMRole:
     async def load(cls, model_dir: Path, config: EngineConfig) -> LLMRole:
         # Loading reads weights and may take seconds: keep the event loop answering health.
         engine = await asyncio.to_thread(Engine, model_dir, config)
-        return cls(engine, model_dir)
+        return await asyncio.to_thread(cls, engine, model_dir)  # reads the chat template
 
     @property
     def kv_namespace(self) -> str:
