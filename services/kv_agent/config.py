@@ -52,6 +52,36 @@ class KVAgentSettings(CommonSettings):
         "how long pages located for a local reader stay pinned without Unpin",
         minimum=100,
     )
+    max_pin_ttl_ms: int = setting(
+        "OMNIFLOW_KV_MAX_PIN_TTL_MS",
+        300_000,
+        "longest pin a reader may ask for (longer asks are cut to this)",
+        minimum=100,
+    )
+    max_reservation_ttl_ms: int = setting(
+        "OMNIFLOW_KV_MAX_RESERVATION_TTL_MS",
+        60_000,
+        "longest slot reservation a writer may ask for (longer asks are cut to this)",
+        minimum=100,
+    )
+    max_arenas: int = setting(
+        "OMNIFLOW_KV_MAX_ARENAS",
+        4,
+        "most page sizes (one host arena of OMNIFLOW_KV_HOST_BYTES each) an agent serves",
+        minimum=1,
+    )
+    max_namespaces: int = setting(
+        "OMNIFLOW_KV_MAX_NAMESPACES",
+        64,
+        "most KV namespaces an agent serves",
+        minimum=1,
+    )
+    shm_tag: str = setting(
+        "OMNIFLOW_KV_SHM_TAG",
+        "",
+        "added to the agent's shared-memory names so that two topologies on one machine "
+        "never share one (omniflow up sets it from its run folder); [A-Za-z0-9._-]",
+    )
     channels: tuple[str, ...] = setting(
         "OMNIFLOW_KV_CHANNELS",
         ("grpc", "nixl"),

@@ -88,8 +88,10 @@ class Pools:
         shm_dir: Path = DEFAULT_SHM_DIR,
         on_new_pool: Callable[[PagePool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_pools: int = 0,
     ) -> None:
         self.name = safe_name(name)
+        self.max_pools = max_pools  # 0: no bound
         self.host_bytes = host_bytes
         self.ssd_path = ssd_path
         self.ssd_bytes = ssd_bytes
@@ -121,6 +123,14 @@ class Pools:
             pool = self._pools.get(page_bytes)
             if pool is not None:
                 return pool
+            if self.max_pools and len(self._pools) >= self.max_pools:
+                # Each page size costs a whole host arena: a bound on what callers can make.
+                sizes = ", ".join(str(b) for b in sorted(self._pools))
+                raise ResourceExhausted(
+                    f"this agent serves {len(self._pools)} page sizes ({sizes} bytes), the "
+                    f"limit; a new one ({page_bytes} bytes) would need another host arena: "
+                    "raise OMNIFLOW_KV_MAX_ARENAS"
+                )
             pool = self._make(page_bytes)
             self._pools[page_bytes] = pool
         if self.on_new_pool is not None:

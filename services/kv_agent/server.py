@@ -23,7 +23,14 @@ import numpy as np
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
-from omniflow.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from omniflow.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from omniflow.kv.blocks import KVLayout
 from omniflow.kv.events import BlockEntry, Tier
 from omniflow.kv.index_link import IndexLink
@@ -75,7 +82,8 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
         handles = await self.app.offload(pool, lambda: pool.store.acquire_chain(ns, hashes))
         if not handles:
             return kvagent_pb2.LocatePagesResponse(shm_name=pool.shm_name)
-        ttl_ms = request.pin_ttl_ms or self.app.settings.pin_ttl_ms
+        s = self.app.settings
+        ttl_ms = min(request.pin_ttl_ms or s.pin_ttl_ms, s.max_pin_ttl_ms)  # capped here
         pin_id = self.app.pools.pin(pool, handles, ttl_ms / 1000)
         slots = [
             kvagent_pb2.SlotRef(
@@ -116,7 +124,8 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
                 pools.note_reserved(pool, [ref.slot], _RESERVATION_TTL_S)
                 raise
             reply.committed += 1
-        ttl = (request.reservation_ttl_ms or _RESERVATION_TTL_S * 1000) / 1000
+        asked = request.reservation_ttl_ms or _RESERVATION_TTL_S * 1000
+        ttl = min(asked, self.app.settings.max_reservation_ttl_ms) / 1000  # capped here
         if request.reserve:
             slots = []
             try:
@@ -369,6 +378,7 @@ class KVAgentApp(ServiceApp):
         self._link: IndexLink | None = None
         self._puller: Puller | None = None
         self._upkeep: asyncio.Task[None] | None = None
+        self._namespaces: set[bytes] = set()  # served so far (bounded: max_namespaces)
         self._unwatch = metrics.watch(lambda: self._pools, lambda: self._tensors)
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
@@ -426,7 +436,12 @@ class KVAgentApp(ServiceApp):
             else:
                 log.info("NIXL channel off: %s", reason)
         self._pools = Pools(
-            runtime.instance_id, s.host_bytes, s.ssd_path, s.ssd_bytes, on_new_pool=self._on_pool
+            self.shm_prefix(runtime.instance_id),
+            s.host_bytes,
+            s.ssd_path,
+            s.ssd_bytes,
+            on_new_pool=self._on_pool,
+            max_pools=s.max_arenas,
         )
         recovered = await asyncio.to_thread(self._pools.recover_ssd)
         for pool in recovered:
@@ -434,7 +449,7 @@ class KVAgentApp(ServiceApp):
                 "recovered %d SSD pages of %d bytes", len(pool.store.entries()), pool.page_bytes
             )
         self._tensors = TensorStore(
-            safe_name(runtime.instance_id) + "-tensors",
+            self.shm_prefix(runtime.instance_id) + "-tensors",
             s.tensor_bytes,
             default_ttl_s=s.tensor_ttl_s,
         )
@@ -459,6 +474,12 @@ class KVAgentApp(ServiceApp):
         )
         self._link.start()
         self._upkeep = asyncio.create_task(self._upkeep_loop())
+
+    def shm_prefix(self, instance_id: str) -> str:
+        """The start of this agent's shared-memory names: its instance id and, when set,
+        the tag of its topology (two local topologies both have a "kv-agent")."""
+        tag = self.settings.shm_tag
+        return safe_name(f"{instance_id}-{tag}" if tag else instance_id)
 
     def _on_pool(self, pool: PagePool) -> None:
         if self.nixl is not None:
@@ -525,8 +546,15 @@ class KVAgentApp(ServiceApp):
     async def pool_for(self, namespace_hex: str) -> tuple[PagePool, bytes]:
         """The pool of a namespace (its page size comes from the index)."""
         ns = parse_namespace(namespace_hex)
+        if ns not in self._namespaces and len(self._namespaces) >= self.settings.max_namespaces:
+            raise ResourceExhausted(
+                f"this agent serves {len(self._namespaces)} KV namespaces, the limit: raise "
+                "OMNIFLOW_KV_MAX_NAMESPACES"
+            )
         layout = await self.layout(ns)
-        return self.pools.pool(layout.page_bytes), ns
+        pool = self.pools.pool(layout.page_bytes)
+        self._namespaces.add(ns)  # counted once it has a pool: unknown ones cost nothing
+        return pool, ns
 
     async def offload(self, pool: PagePool, fn: Callable[[], _T]) -> _T:
         """Run a store call that may do SSD I/O in a thread; host-only calls run inline."""

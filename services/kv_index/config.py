@@ -17,6 +17,18 @@ class KVIndexSettings(CommonSettings):
     max_hashes: int = setting(
         "OMNIFLOW_KV_MAX_HASHES", 65536, "most block hashes in one request", minimum=1
     )
+    max_snapshot_blocks: int = setting(
+        "OMNIFLOW_KV_MAX_SNAPSHOT_BLOCKS",
+        4_000_000,
+        "most blocks in one owner's snapshot (the index buffers a snapshot whole)",
+        minimum=1,
+    )
+    max_owners: int = setting(
+        "OMNIFLOW_KV_MAX_OWNERS", 4096, "most live owners (workers and agents)", minimum=1
+    )
+    max_index_namespaces: int = setting(
+        "OMNIFLOW_KV_MAX_INDEX_NAMESPACES", 1024, "most registered KV namespaces", minimum=1
+    )
     sweep_interval_s: float = setting(
         "OMNIFLOW_KV_SWEEP_INTERVAL_S",
         0.5,

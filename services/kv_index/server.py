@@ -17,7 +17,7 @@ import grpc
 import redis.asyncio as aioredis
 
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
-from omniflow.errors import InvalidArgument, Unavailable
+from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from omniflow.kv.blocks import HASH_BYTES
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind
 from omniflow.kv.wire import (
@@ -45,8 +45,12 @@ _EVENT_KIND = {
     kvindex_pb2.BlockEvent.TYPE_STORED: EventKind.STORED,
     kvindex_pb2.BlockEvent.TYPE_REMOVED: EventKind.REMOVED,
 }
-#: Most blocks in one snapshot: a bound on what one owner can make the index buffer.
-MAX_SNAPSHOT_BLOCKS = 4_000_000
+def _bounded_hashes(count: int, limit: int, what: str) -> None:
+    if count > limit:
+        raise InvalidArgument(
+            f"{what} carries {count} block hashes; the limit is {limit} "
+            "(raise it with OMNIFLOW_KV_MAX_HASHES)"
+        )
 
 
 def events_from_proto(msgs: list[kvindex_pb2.BlockEvent]) -> list[BlockEvent]:
@@ -87,6 +91,15 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
         if not request.HasField("layout"):
             raise InvalidArgument("layout is required")
         layout = layout_from_proto(request.layout)
+        limit = self.app.settings.max_index_namespaces
+        if (await self.core.stats()).namespaces >= limit:
+            try:
+                await self.core.layout(layout.namespace)  # registering it again is fine
+            except NotFound:
+                raise ResourceExhausted(
+                    f"{limit} KV namespaces are registered, the limit "
+                    "(raise it with OMNIFLOW_KV_MAX_INDEX_NAMESPACES)"
+                ) from None
         ns = await self.core.register_namespace(layout)
         return kvindex_pb2.RegisterNamespaceResponse(
             namespace=ns.hex(), page_bytes=layout.page_bytes
@@ -107,6 +120,12 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
         if kind is None:
             raise InvalidArgument("kind must be OWNER_KIND_WORKER or OWNER_KIND_AGENT")
         owner = OwnerInfo(request.owner_id, request.node, request.address, kind)
+        limit = self.app.settings.max_owners
+        if (await self.core.stats()).live_owners >= limit:
+            # Lapsed owners leave within a sweep; until then new ones wait.
+            raise ResourceExhausted(
+                f"{limit} owners hold a lease, the limit (raise it with OMNIFLOW_KV_MAX_OWNERS)"
+            )
         lease = await self.core.register_owner(owner, request.ttl_ms or None)
         log.info(
             "lease for %s (%s at %s): epoch %d", owner.owner_id, kind, owner.address, lease.epoch
@@ -137,6 +156,11 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
     async def PublishEvents(
         self, request: kvindex_pb2.PublishEventsRequest, context: grpc.aio.ServicerContext
     ) -> kvindex_pb2.PublishEventsResponse:
+        _bounded_hashes(
+            sum(len(e.block_hashes) for e in request.events),
+            self.app.settings.max_hashes,
+            "PublishEvents",
+        )
         events = events_from_proto(list(request.events))
         res = await self.core.apply_events(request.owner_id, request.epoch, request.seq, events)
         metrics.BATCHES.labels("accepted" if res.ok else res.status.name.lower()).inc()
@@ -164,8 +188,12 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
             ns = parse_namespace(chunk.namespace)
             tier = tier_from_proto(chunk.tier, "snapshot chunk tier")
             entries.extend(BlockEntry(ns, h, tier) for h in check_hashes(chunk.block_hashes))
-            if len(entries) > MAX_SNAPSHOT_BLOCKS:
-                raise InvalidArgument(f"a snapshot holds at most {MAX_SNAPSHOT_BLOCKS} blocks")
+            limit = self.app.settings.max_snapshot_blocks
+            if len(entries) > limit:
+                raise InvalidArgument(
+                    f"the snapshot holds more than {limit} blocks, the limit "
+                    "(raise it with OMNIFLOW_KV_MAX_SNAPSHOT_BLOCKS)"
+                )
         if header is None:
             raise InvalidArgument("a snapshot needs at least one chunk (the header)")
         res = await self.core.snapshot(header.owner_id, header.epoch, entries, header.seq)
@@ -177,7 +205,8 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
         self, request: kvindex_pb2.MatchPrefixRequest, context: grpc.aio.ServicerContext
     ) -> kvindex_pb2.MatchPrefixResponse:
         ns = parse_namespace(request.namespace)
-        hashes = check_hashes(request.block_hashes, self.core.max_hashes)
+        _bounded_hashes(len(request.block_hashes), self.core.max_hashes, "MatchPrefix")
+        hashes = check_hashes(request.block_hashes)
         with metrics.MATCH_SECONDS.time():
             res = await self.core.match_prefix(ns, hashes)
         metrics.MATCH_BLOCKS.labels("asked").inc(len(hashes))
