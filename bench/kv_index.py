@@ -21,8 +21,8 @@ import redis.asyncio as aioredis
 
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind, Tier
+from omniflow.kv.index_store import KVIndex, OwnerInfo
 from omniflow.localredis import start_redis
-from omniflow_services.kv_index.core import KVIndex, OwnerInfo
 
 
 def redis_benchmark_set(port: int, n: int, pipeline: int) -> float | None:

@@ -21,13 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted
+from omniflow.kv.arena import DEFAULT_SHM_DIR, HEADER_BYTES, HostArena
 from omniflow.kv.events import BlockEvent
-from omniflow_services.kv_agent.host_tier import (
-    DEFAULT_SHM_DIR,
-    HEADER_BYTES,
-    HostArena,
-    HostTier,
-)
+from omniflow_services.kv_agent.host_tier import HostTier
 from omniflow_services.kv_agent.ssd_tier import SsdFile, SsdTier
 from omniflow_services.kv_agent.tiers import PageHandle, TieredStore
 

@@ -31,6 +31,7 @@ from omniflow.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from omniflow.kv.arena import HEADER_BYTES
 from omniflow.kv.blocks import KVLayout
 from omniflow.kv.events import BlockEntry, Tier
 from omniflow.kv.index_link import IndexLink
@@ -39,7 +40,6 @@ from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import error_from_rpc
 from omniflow_services.kv_agent import metrics
 from omniflow_services.kv_agent.config import KVAgentSettings
-from omniflow_services.kv_agent.host_tier import HEADER_BYTES
 from omniflow_services.kv_agent.nixl_channel import NixlChannel, nixl_unavailable_reason
 from omniflow_services.kv_agent.pools import PagePool, Pools, safe_name
 from omniflow_services.kv_agent.tensors import TensorStore

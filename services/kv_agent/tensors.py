@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted
+from omniflow.kv.arena import DEFAULT_SHM_DIR, arena_path
 from omniflow.kv.checksum import page_checksum, verify_checksum
-from omniflow_services.kv_agent.host_tier import DEFAULT_SHM_DIR, arena_path
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ import numpy as np
 
 from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
 from omniflow.errors import DataLoss, FailedPrecondition, InvalidArgument
+from omniflow.kv.arena import HEADER_BYTES
 from omniflow.kv.blocks import HASH_BYTES
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
 from omniflow_services.kv_agent import metrics
-from omniflow_services.kv_agent.host_tier import HEADER_BYTES
 from omniflow_services.kv_agent.nixl_channel import NixlChannel
 from omniflow_services.kv_agent.pools import PagePool
 from omniflow_services.kv_agent.tiers import Reservation

@@ -12,7 +12,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from omniflow import telemetry
 from omniflow.kv.events import BlockEvent
-from omniflow_services.kv_index.core import KVIndex
+from omniflow.kv.index_store import KVIndex
 
 log = logging.getLogger(__name__)
 

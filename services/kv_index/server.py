@@ -20,6 +20,7 @@ from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from omniflow.kv.blocks import HASH_BYTES
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind
+from omniflow.kv.index_store import KVIndex, LeaseStatus, OwnerInfo, OwnerKind
 from omniflow.kv.wire import (
     check_hashes,
     layout_from_proto,
@@ -32,7 +33,6 @@ from omniflow.localredis import redact_url, redis_client
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow_services.kv_index import metrics
 from omniflow_services.kv_index.config import KVIndexSettings
-from omniflow_services.kv_index.core import KVIndex, LeaseStatus, OwnerInfo, OwnerKind
 
 log = logging.getLogger(__name__)
 

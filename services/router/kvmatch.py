@@ -1,8 +1,9 @@
 """How the router asks the KV index which owners hold a prompt's leading blocks.
 
 Two ways, behind one small interface: the kv-index's gRPC ``MatchPrefix`` (the normal
-one), or the index core straight against its Redis (for deployments, tests and benches
-where the kv-index edge is not there). Either answers within the router's deadline or
+one), or the index's store straight against its Redis (``omniflow.kv.index_store``, the
+library module that owns the key layout; for deployments, tests and benches where the
+kv-index edge is not there). Either answers within the router's deadline or
 the pick falls back to load only.
 """
 
@@ -75,12 +76,12 @@ class GrpcPrefixIndex:
 
 
 class RedisPrefixIndex:
-    """The index core (``omniflow_services.kv_index.core.KVIndex``) on the index's Redis."""
+    """The index core (``omniflow.kv.index_store.KVIndex``) on the index's Redis."""
 
     def __init__(self, redis_url: str) -> None:
         import redis.asyncio as aioredis
 
-        from omniflow_services.kv_index.core import KVIndex
+        from omniflow.kv.index_store import KVIndex
 
         self._redis = aioredis.from_url(redis_url)
         self._index = KVIndex(self._redis)

@@ -32,11 +32,11 @@ import numpy as np
 from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 from omniflow.errors import DataLoss, FailedPrecondition, InvalidArgument, OmniflowError
+from omniflow.kv.arena import HostArena
 from omniflow.kv.blocks import HASH_BYTES, KVLayout
 from omniflow.kv.checksum import page_checksum
 from omniflow.kv.wire import layout_to_proto
 from omniflow.rpc.status import error_from_rpc
-from omniflow_services.kv_agent.host_tier import HostArena
 from omniflow_services.worker.sglang_pages import batched
 
 log = logging.getLogger(__name__)

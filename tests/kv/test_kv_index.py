@@ -14,13 +14,13 @@ import redis.asyncio as aioredis
 from omniflow.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind, Tier
-from omniflow.localredis import RedisProcess, start_redis
-from omniflow_services.kv_index.core import (
+from omniflow.kv.index_store import (
     KVIndex,
     LeaseStatus,
     OwnerInfo,
     OwnerKind,
 )
+from omniflow.localredis import RedisProcess, start_redis
 
 LAYOUT = KVLayout("test/model", 2, 2, 8, "float16", 4)
 NS = LAYOUT.namespace

@@ -4,32 +4,46 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import sys
 from pathlib import Path
 
 from omniflow.cli import workflow as workflow_cli
+from omniflow.config import CommonSettings, settings_table
 from omniflow.errors import OmniflowError
 from omniflow.logsetup import setup_logging
 
+# Where each service's settings class lives. Imported only when the table is printed, so
+# that the CLI imports no service (an install may carry only some of them).
+SERVICE_SETTINGS: dict[str, str] = {
+    "router": "omniflow_services.router.config:RouterSettings",
+    "coordinator": "omniflow_services.coordinator.config:CoordinatorSettings",
+    "kv-index": "omniflow_services.kv_index.config:KVIndexSettings",
+    "kv-agent": "omniflow_services.kv_agent.config:KVAgentSettings",
+    "worker": "omniflow_services.worker.config:WorkerSettings",
+    "gateway": "omniflow_services.gateway.config:GatewaySettings",
+}
+
+
+def service_settings(service: str) -> type[CommonSettings]:
+    """The settings class of ``service`` (a key of ``SERVICE_SETTINGS``)."""
+    path = SERVICE_SETTINGS.get(service)
+    if path is None:
+        raise OmniflowError(
+            f"unknown service {service!r}; accepted: {', '.join(sorted(SERVICE_SETTINGS))}"
+        )
+    module, _, name = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        raise OmniflowError(f"service {service!r} is not installed ({exc})") from exc
+    if not (isinstance(cls, type) and issubclass(cls, CommonSettings)):
+        raise OmniflowError(f"{path} is not a settings class")
+    return cls
+
 
 def _settings_table() -> str:
-    from omniflow.config import CommonSettings, settings_table
-    from omniflow_services.coordinator.config import CoordinatorSettings
-    from omniflow_services.gateway.config import GatewaySettings
-    from omniflow_services.kv_agent.config import KVAgentSettings
-    from omniflow_services.kv_index.config import KVIndexSettings
-    from omniflow_services.router.config import RouterSettings
-    from omniflow_services.worker.config import WorkerSettings
-
-    return settings_table(
-        CommonSettings,
-        RouterSettings,
-        CoordinatorSettings,
-        KVIndexSettings,
-        KVAgentSettings,
-        WorkerSettings,
-        GatewaySettings,
-    )
+    return settings_table(CommonSettings, *(service_settings(s) for s in SERVICE_SETTINGS))
 
 
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"

@@ -34,15 +34,13 @@ import numpy as np
 from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 from omniflow.errors import DataLoss, InvalidArgument, OmniflowError, Unavailable
+from omniflow.kv.arena import HostArena
 from omniflow.kv.blocks import HASH_BYTES, KVLayout
 from omniflow.kv.checksum import page_checksum
 from omniflow.kv.wire import layout_to_proto
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
-
-# The arena format belongs to the agent; workers on the node map the same file.
-from omniflow_services.kv_agent.host_tier import HostArena
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Owners are node agents (host and SSD tiers) and workers (their device pools).
 
-One task runs the protocol of ``kv_index.core``: find the index → take a lease → send a
+One task runs the protocol of ``omniflow.kv.index_store``: find the index → take a lease → send a
 snapshot of everything held → publish the stores' events in batches with seq 1, 2, … and
 heartbeat at a third of the lease. A refused batch or heartbeat (gap, lapsed lease, an
 index whose Redis lost its data: a new run id) leads to a new lease or a snapshot; a lost

@@ -1,8 +1,10 @@
-"""The KV index core (DESIGN §4.2): which owner holds which block, in which tier, on Redis.
+"""The KV index's store (DESIGN §4.2): which owner holds which block, in which tier, on Redis.
 
-No gRPC here: the edge converts messages to the dataclasses below and maps the domain
-errors. Every multi-key operation is one Lua script (EVALSHA), so each call is one round
-trip and atomic.
+The core of the kv-index service (``omniflow_services.kv_index`` is its gRPC edge: it
+converts messages to the dataclasses below and maps the domain errors). It lives in the
+library because the key layout and its Lua scripts are a shared format: the router's direct
+``MatchPrefix`` path and the echo test worker read and write the same keys. Every
+multi-key operation is one Lua script (EVALSHA), so each call is one round trip and atomic.
 
 Key layout (``P`` = the prefix, default ``of:kv:``; ``hash`` is a raw 16-byte block hash,
 which already mixes in its namespace, so the namespace is checked here, not stored per block):

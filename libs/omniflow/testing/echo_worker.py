@@ -292,7 +292,7 @@ class EchoWorkerApp(ServiceApp):
         if self.settings.publish_kv:
             import redis.asyncio as aioredis
 
-            from omniflow_services.kv_index.core import KVIndex, OwnerInfo, OwnerKind
+            from omniflow.kv.index_store import KVIndex, OwnerInfo, OwnerKind
 
             self._redis = aioredis.from_url(self.settings.redis_url)
             index = KVIndex(self._redis)  # type: ignore[arg-type]
