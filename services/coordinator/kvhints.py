@@ -51,6 +51,7 @@ HINTED = "hinted"
 SHORT = "short_prompt"  # fewer tokens than one page: nothing to match
 NO_WORKERS = "fallback_no_namespace"
 NO_TOKENIZER = "fallback_no_tokenizer"
+NO_TEMPLATE = "fallback_no_template"  # a chat prompt to a model without a chat template
 ERROR = "fallback_error"
 
 WORKERS_REFRESH_S = 2.0
@@ -172,6 +173,8 @@ class KVHinter:
         if loaded.prep is None:
             return NO_TOKENIZER, None
         pre = loaded.prep
+        if prompt.chat and not pre.has_template:
+            return NO_TEMPLATE, None  # the worker answers the call with INVALID_ARGUMENT
         if prompt.chat:
             ids = await pre.aencode_chat(prompt.messages())
         else:
