@@ -155,3 +155,31 @@ async def test_agent_bounds_arenas_namespaces_and_ttl_caps(kv_cluster) -> None:
         deadlines = list(pools._reserved.values())
         assert reply.reserved_slots and deadlines
         assert max(deadlines) <= time.monotonic() + 1.0 + 0.5
+
+
+async def test_two_topologies_do_not_share_shared_memory(kv_cluster, tmp_path) -> None:
+    from omniflow.cli.local import run_tag
+    from omniflow.kv.arena import arena_path
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    tags = run_tag(tmp_path / "a"), run_tag(tmp_path / "b")
+    assert tags[0] != tags[1] and run_tag(tmp_path / "a") == tags[0]  # stable per folder
+    # Same instance id ("kv-agent" in both topologies), different run folders.
+    first = await kv_cluster.start_agent("twin", shm_tag=tags[0])
+    second = await kv_cluster.start_agent("twin", shm_tag=tags[1])
+    async with open_channel(kv_cluster.index.address) as ich:
+        await _register(kvindex_pb2_grpc.KVIndexServiceStub(ich))
+    names = []
+    for host in (first, second):
+        async with open_channel(host.address) as channel:
+            stub = kvagent_pb2_grpc.KVAgentServiceStub(channel)
+            reply = await stub.GetArena(
+                kvagent_pb2.GetArenaRequest(namespace=LAYOUT.namespace.hex())
+            )
+            names.append(reply.shm_name)
+    assert names[0] != names[1] and tags[0] in names[0] and tags[1] in names[1]
+    # Both arenas exist side by side: the second agent did not replace the first's.
+    assert all(arena_path(n).exists() for n in names)
+    inodes = {arena_path(n).stat().st_ino for n in names}
+    assert len(inodes) == 2

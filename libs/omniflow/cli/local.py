@@ -13,6 +13,7 @@ owner only: it holds the Redis URL with the password of the Redis ``up`` started
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import secrets
@@ -50,6 +51,13 @@ class Proc:
 
 def run_dir() -> Path:
     return Path(os.environ.get("OMNIFLOW_RUN_DIR", ".omniflow/run")).resolve()
+
+
+def run_tag(folder: Path) -> str:
+    """A short, stable identity of a run folder (its resolved path, device and inode)."""
+    st = folder.stat()
+    ident = f"{folder.resolve()}:{st.st_dev}:{st.st_ino}".encode()
+    return hashlib.blake2b(ident, digest_size=5).hexdigest()
 
 
 def _alive(proc: Proc) -> bool:
@@ -221,7 +229,13 @@ async def up(topology: Topology, start_timeout_s: float = 120.0) -> int:
     for sub in ("logs", "ready", "redis"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     procs = []
-    env = {"OMNIFLOW_DISCOVERY": "redis", "OMNIFLOW_NODE_ID": topology.node}
+    env = {
+        "OMNIFLOW_DISCOVERY": "redis",
+        "OMNIFLOW_NODE_ID": topology.node,
+        # The agent's shared-memory names carry this run folder's identity: two topologies
+        # on one machine (both with a "kv-agent") never map or delete each other's arena.
+        "OMNIFLOW_KV_SHM_TAG": run_tag(folder),
+    }
     try:
         redis_url = os.environ.get("OMNIFLOW_REDIS_URL", "")
         if not redis_url:
