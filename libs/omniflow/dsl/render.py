@@ -1,7 +1,8 @@
 """Pictures of a workflow graph: Mermaid (``flowchart``) and Graphviz (``dot``).
 
 Bodies of switch, loop and map nodes are drawn as nested clusters; streaming edges are
-dotted, conditions label the edges into switch cases.
+dotted, conditions label the edges into switch cases. A constant gets its own small box in
+the graph (or body) that reads it, drawn before its first edge.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class _Drawer:
         self.mermaid = mermaid
         self.lines: list[str] = []
         self._ids: dict[str, str] = {}
+        self._constants: set[str] = set()  # paths of the constant boxes drawn so far
 
     def nid(self, path: str) -> str:
         if path not in self._ids:
@@ -121,7 +123,7 @@ class _Drawer:
             path = f"{prefix}{node.name}"
             self.box(path, _label(node), "diamond" if node.HasField("switch") else "box")
             for key, src in node.inputs.items():
-                self.edge(self._src_path(prefix, src), path, key, src.streaming)
+                self.edge(self.source(prefix, src), path, key, src.streaming)
             for i, body, title in self._bodies(node):
                 sub = f"{path}/{i}/"
                 self.open_cluster(sub, title)
@@ -131,7 +133,16 @@ class _Drawer:
                     self.edge(path, f"{sub}{body.nodes[0].name}", title)
         for key, src in outputs.items():
             self.box(f"{prefix}out:{key}", key, "io")
-            self.edge(self._src_path(prefix, src), f"{prefix}out:{key}")
+            self.edge(self.source(prefix, src), f"{prefix}out:{key}")
+
+    def source(self, prefix: str, src: cpb.Source) -> str:
+        """The path an edge from ``src`` starts at; a constant's box is drawn here, in the
+        graph or body that reads it, the first time it is read."""
+        path = self._src_path(prefix, src)
+        if src.WhichOneof("kind") == "constant" and path not in self._constants:
+            self._constants.add(path)
+            self.box(path, describe_source(src), "io")
+        return path
 
     @staticmethod
     def _src_path(prefix: str, src: cpb.Source) -> str:
@@ -159,10 +170,6 @@ class _Drawer:
 def _draw(graph: cpb.WorkflowGraph, mermaid: bool) -> list[str]:
     drawer = _Drawer(mermaid)
     drawer.graph("", graph.inputs, graph.nodes, graph.outputs)
-    # Constants get their own small boxes.
-    consts = [p for p in list(drawer._ids) if ":const:" in p or p.startswith("const:")]
-    for path in consts:
-        drawer.box(path, path.rsplit("const:", 1)[1], "io")
     return drawer.lines
 
 
