@@ -9,8 +9,10 @@ disconnects ends the worker's request (the worker aborts it and frees its pages)
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
+import wave
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +113,17 @@ class RunChunk:
     text: str = ""
     outputs: dict[str, Any] | None = None
     error: str = ""
+
+
+def _wav(pcm: bytes, rate: int) -> bytes:
+    """Mono 16-bit PCM in a WAV container."""
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm)
+    return out.getvalue()
 
 
 def _strategy(name: str) -> int:
@@ -323,20 +336,23 @@ class Backends:
         return reply.png
 
     async def synthesize(self, address: str, request_id: str, text: str, voice: str) -> bytes:
+        """The talker's speech as one WAV file (its own, or one wrapped around its PCM)."""
         rpc = self._worker(address).Synthesize(
             worker_pb2.SynthesizeRequest(request_id=request_id, text=text, voice=voice),
             timeout=self.settings.request_timeout_s,
         )
-        wav = b""
+        wav, pcm, rate = b"", bytearray(), 16000
         try:
             async for chunk in rpc:
-                if chunk.last:
+                pcm += chunk.pcm_s16le
+                rate = chunk.sample_rate or rate
+                if chunk.last and chunk.wav:
                     wav = chunk.wav
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
         finally:
             rpc.cancel()
-        return wav
+        return wav or _wav(bytes(pcm), rate)
 
     # ------------------------------------------------------------ coordinator
 

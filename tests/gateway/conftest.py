@@ -1,6 +1,7 @@
-"""A real topology serving SmolLM2 behind the gateway, shared by the module's tests:
-Redis, kv-index, kv-agent, router, coordinator, one llm worker and the gateway, all
-separate processes on their own ports, ended by PID at teardown."""
+"""A real topology serving SmolLM2 behind the gateway, shared by the package's tests:
+Redis, kv-index, kv-agent, router, coordinator, one llm worker (SmolLM2), an encoder (its
+vision encoder), a diffusion and a talker worker (small generated models) and the
+gateway, all separate processes on their own ports, ended by PID at teardown."""
 
 from __future__ import annotations
 
@@ -104,6 +105,23 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
             OMNIFLOW_WORKER_KV_BYTES=str(32 * 1024 * 1024),
             OMNIFLOW_METRICS_PORT="0",  # the test reads its cancelled-requests counter
         )
+        # The other roles the API reaches: images in chat (encoder), images, speech.
+        others = [
+            launch(
+                "omniflow_services.worker",
+                f"{role}-1",
+                OMNIFLOW_WORKER_ROLE=role,
+                OMNIFLOW_WORKER_MODEL=model,
+                OMNIFLOW_MODELS_DIR=str(models),
+                OMNIFLOW_KV_AGENT_ADDR=agent.address,
+                OMNIFLOW_WORKER_KV_BYTES=str(16 * 1024 * 1024),
+            )
+            for role, model in (
+                ("encoder", "smollm2-135m-vision-encoder"),
+                ("diffusion", "tiny:diffusion"),
+                ("talker", "tiny:talker"),
+            )
+        ]
         router = launch(
             "omniflow_services.router",
             "router",
@@ -116,6 +134,8 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
             "omniflow_services.coordinator", "coordinator", OMNIFLOW_ROUTER_ADDR=router.address
         ).wait_ready()
         worker.wait_ready(timeout_s=240)
+        for proc in others:
+            proc.wait_ready(timeout_s=240)
         gateway = launch(
             "omniflow_services.gateway",
             "gateway",

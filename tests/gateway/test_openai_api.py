@@ -251,3 +251,63 @@ def test_workflow_is_a_model(client: openai.OpenAI, topology: Any) -> None:
     )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == whole.choices[0].message.content  # greedy node: the same answer
+
+
+def _png(color: tuple[int, int, int]) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (48, 48), color).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_image_in_chat_reuses_its_kv_on_a_second_turn(client: openai.OpenAI, topology: Any) -> None:
+    content = [
+        {"type": "image_url", "image_url": {"url": _png((200, 30, 30))}},
+        {"type": "text", "text": "What is in this image?"},
+    ]
+    messages = [{"role": "user", "content": content}]
+    first = client.chat.completions.create(
+        model=topology.model, messages=messages, max_tokens=4, temperature=0
+    )
+    again = client.chat.completions.create(
+        model=topology.model, messages=messages, max_tokens=4, temperature=0
+    )
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    # The image span's pages come from the cache the second time.
+    assert again.usage.prompt_tokens_details.cached_tokens > (
+        first.usage.prompt_tokens_details.cached_tokens
+    )
+
+
+def test_images_generations(client: openai.OpenAI) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    reply = client.images.generate(
+        model="tiny-diffusion", prompt="a red square", size="32x32", n=2, extra_body={"seed": 3}
+    )
+    assert len(reply.data) == 2
+    for item in reply.data:
+        image = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
+        assert image.format == "PNG" and image.size == (32, 32)
+    with pytest.raises(openai.NotFoundError):  # served by llm workers, not by a diffusion one
+        client.images.generate(model="smollm2-135m-instruct", prompt="x")
+
+
+def test_audio_speech_is_wav(client: openai.OpenAI) -> None:
+    import io
+    import wave
+
+    reply = client.audio.speech.create(
+        model="tiny-talker", input="Hello from the gateway.", voice="", response_format="wav"
+    )
+    with wave.open(io.BytesIO(reply.read())) as w:
+        assert w.getnchannels() == 1 and w.getsampwidth() == 2
+        assert w.getnframes() > 0
