@@ -42,6 +42,7 @@ from omniflow_services.worker.engine import EngineLoad, RequestOutput, SamplingP
 from omniflow_services.worker.engine.config import ModelConfig
 from omniflow_services.worker.engine.loader import load_tokenizer
 from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.vllm.pages import cpu_format, opaque_model_id
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class VLLMConfig:
     model_id: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs fields
 
-    def engine_kwargs(self, model_dir: Path, layout: KVLayout) -> dict[str, Any]:
+    def engine_kwargs(self, model_dir: Path, layout: KVLayout, fmt: str) -> dict[str, Any]:
         from omniflow_services.worker.vllm.connector import transfer_config
 
         kw: dict[str, Any] = {
@@ -166,7 +167,7 @@ class VLLMConfig:
         }
         if self.agent_address:
             kw["kv_transfer_config"] = transfer_config(
-                self.agent_address, self.index_address, layout
+                self.agent_address, self.index_address, layout, fmt
             )
         return kw | self.extra
 
@@ -258,9 +259,10 @@ class VLLMRole(LLMRole):
             config, max_model_len=min(config.max_model_len, cfg.max_position_embeddings)
         )
         model_id = config.model_id or (await asyncio.to_thread(Path(model_dir).resolve)).name
-        layout = vllm_layout(cfg, config, model_id)
+        fmt = kv_format(cfg, config)
+        layout = vllm_layout(cfg, config, model_id, fmt)
         logger_cls, stats = make_load_logger()
-        args = AsyncEngineArgs(**config.engine_kwargs(model_dir, layout))
+        args = AsyncEngineArgs(**config.engine_kwargs(model_dir, layout, fmt))
         # Starting vLLM spawns its engine process and loads weights (tens of seconds on a
         # CPU); health stays NOT_SERVING meanwhile.
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[logger_cls])
@@ -268,9 +270,10 @@ class VLLMRole(LLMRole):
         # Ends vLLM's engine processes at exit, while the interpreter is still whole.
         atexit.register(engine.shutdown)
         log.info(
-            "vLLM engine up: %s, block %d, %d KV pages of %d tokens, namespace %s",
+            "vLLM engine up: %s, block %d (%s), %d KV pages of %d tokens, namespace %s",
             model_dir,
             config.block_size,
+            fmt,
             engine.total_pages,
             layout.page_size,
             layout.namespace_hex,
@@ -333,15 +336,29 @@ class VLLMRole(LLMRole):
             self.engine.active.pop(request_id, None)
 
 
-def vllm_layout(cfg: ModelConfig, config: VLLMConfig, model_id: str) -> KVLayout:
-    """The namespace layout of this worker's pages (Omni-Flow pages of 16 tokens)."""
+def kv_format(cfg: ModelConfig, config: VLLMConfig) -> str:
+    """How this vLLM's cache blocks map to pages (``pages.FORMATS``)."""
+    if config.device != "cpu":
+        return "nhd"  # checked against the cache tensors when vLLM registers them
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(getattr(torch, config.dtype), config.block_size, cfg.head_dim, "auto")
+    return cpu_format(isa, config.block_size, PAGE_SIZE)
+
+
+def vllm_layout(cfg: ModelConfig, config: VLLMConfig, model_id: str, fmt: str) -> KVLayout:
+    """The namespace layout of this worker's pages: 16-token pages in the contract order
+    (the namespace of the built-in engine on the same model and dtype), or whole blocks in
+    vLLM's own order in a namespace of their own (``opaque``)."""
+    opaque = fmt == "opaque"
     return KVLayout(
-        model_id=model_id,
+        model_id=opaque_model_id(model_id, config.block_size) if opaque else model_id,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         dtype=config.dtype,
-        page_size=PAGE_SIZE,
+        page_size=config.block_size if opaque else PAGE_SIZE,
     )
 
 

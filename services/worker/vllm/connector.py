@@ -78,6 +78,7 @@ class ConnectorConfig:
     agent_address: str
     index_address: str
     layout: KVLayout
+    kv_format: str = "cpu-amx"  # pages.FORMATS: how vLLM's blocks map to pages
     timeout_s: float = 10.0
     save: bool = True
     load: bool = True
@@ -100,10 +101,11 @@ class ConnectorConfig:
                 page_size=int(extra.get("page_size", 16)),
             )
             timeout = float(extra.get("timeout_s", 10.0))
+            kv_format = str(extra["kv_format"])
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(
                 f"kv_connector_extra_config: {exc!r}; it needs model_id, num_layers, "
-                "num_kv_heads, head_dim, dtype (and optionally page_size, timeout_s)"
+                "num_kv_heads, head_dim, dtype, kv_format (and optionally page_size, timeout_s)"
             ) from None
         if timeout <= 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout}")
@@ -111,15 +113,19 @@ class ConnectorConfig:
             agent_address=agent,
             index_address=str(extra.get("index_address", "")),
             layout=layout,
+            kv_format=kv_format,
             timeout_s=timeout,
             save=bool(extra.get("save", True)),
             load=bool(extra.get("load", True)),
         )
 
 
-def extra_config(agent_address: str, index_address: str, layout: KVLayout) -> dict[str, Any]:
+def extra_config(
+    agent_address: str, index_address: str, layout: KVLayout, kv_format: str
+) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` that points the connector at the agent."""
     return {
+        "kv_format": kv_format,
         "agent_address": agent_address,
         "index_address": index_address,
         "model_id": layout.model_id,
@@ -131,14 +137,16 @@ def extra_config(agent_address: str, index_address: str, layout: KVLayout) -> di
     }
 
 
-def transfer_config(agent_address: str, index_address: str, layout: KVLayout) -> dict[str, Any]:
+def transfer_config(
+    agent_address: str, index_address: str, layout: KVLayout, kv_format: str
+) -> dict[str, Any]:
     """vLLM's ``kv_transfer_config`` for this connector."""
     return {
         "kv_connector": CLASS_NAME,
         "kv_connector_module_path": MODULE_PATH,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra_config(agent_address, index_address, layout),
+        "kv_connector_extra_config": extra_config(agent_address, index_address, layout, kv_format),
     }
 
 
@@ -362,14 +370,31 @@ class OmniflowConnector(KVConnectorBase_V1):
             return int(m.group(1)) if m else 0
 
         names = sorted(kv_caches, key=index)
-        self._caches = [kv_caches[n] for n in names]
-        self._format = BlockFormat.detect(self._caches, self.layout, self.block_size)
+        caches = [kv_caches[n] for n in names]
+        lay = self.layout
+        fmt = BlockFormat(
+            self.config.kv_format, lay.num_layers, lay.num_kv_heads, lay.head_dim,
+            self.block_size, self.page_size, caches[0].dtype,
+        )  # fmt: skip
+        try:
+            fmt.check(caches)
+        except InvalidArgument as exc:  # serve without the cache tier rather than corrupt KV
+            log.error("omniflow connector disabled: %s", exc)
+            return
+        if fmt.page_bytes != lay.page_bytes:
+            log.error(
+                "omniflow connector disabled: %d-byte pages from vLLM, %d in the namespace",
+                fmt.page_bytes,
+                lay.page_bytes,
+            )
+            return
+        self._caches, self._format = caches, fmt
         log.info(
             "omniflow connector: %d layers, %s format, cache %s %s",
             len(names),
-            self._format.format,
-            tuple(self._caches[0].shape),
-            self._caches[0].dtype,
+            fmt.format,
+            tuple(caches[0].shape),
+            caches[0].dtype,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
