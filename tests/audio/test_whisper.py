@@ -150,6 +150,21 @@ async def test_role_transcribes_and_says_what_is_wrong(ours: WhisperEncoder) -> 
         await role.transcribe(MediaInput(AUDIO, b"\x00garbage" * 50, "inputs.audio"))
 
 
+def test_any_transformers_whisper_folder_loads(hf, tmp_path: Path) -> None:
+    """A folder transformers wrote (no projector) loads with the same code and transcribes."""
+    hf.save_pretrained(tmp_path / "saved")  # weights, config.json, generation_config.json
+    tokenizer = transformers.WhisperTokenizerFast.from_pretrained(ct2_source())
+    tokenizer.save_pretrained(tmp_path / "saved")  # tokenizer.json, as a processor writes it
+    enc = load_encoder(tmp_path / "saved")
+    assert isinstance(enc, WhisperEncoder) and enc.out_hidden is None
+    role = EncoderRole([enc])
+    assert role.operations == ("transcribe",)
+    text = enc.transcribe(MediaInput(AUDIO, espeak(SENTENCES[1]), "clip"))
+    assert wer(SENTENCES[1], text) <= 0.25, text
+    with pytest.raises(FailedPrecondition, match="can transcribe but not encode"):
+        role.encode_sync([MediaInput(AUDIO, espeak("Hello."), "items[0]")])
+
+
 def test_transcribe_needs_whisper() -> None:
     from omniflow.models.resolve import resolve_model
 

@@ -187,10 +187,11 @@ class EncoderRole:
             self.encoders[e.kind] = e
         if not self.encoders:
             raise InvalidArgument("an encoder worker needs at least one encoder model")
-        hidden = {e.out_hidden for e in encoders}
-        if len(hidden) != 1:
+        # A Whisper folder without a projector only transcribes: it has no hidden size.
+        hidden = {e.out_hidden for e in encoders if e.out_hidden is not None}
+        if len(hidden) > 1:
             raise InvalidArgument(f"encoders project to different hidden sizes {sorted(hidden)}")
-        self.out_hidden = hidden.pop()
+        self.out_hidden = hidden.pop() if hidden else 0
         self.cache = cache or EncoderCache()
         self._lock = threading.Lock()
 

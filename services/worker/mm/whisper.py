@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from omniflow.errors import InvalidArgument
+from omniflow.errors import FailedPrecondition, InvalidArgument
 from omniflow_services.worker.mm.audio_io import decode_audio
 from omniflow_services.worker.mm.media import AUDIO, MediaInput
 from omniflow_services.worker.mm.nn import Weights, read_config
@@ -241,15 +241,14 @@ class WhisperEncoder:
         if not tok_path.is_file():
             raise InvalidArgument(f"no tokenizer.json in {folder}: Whisper cannot write text")
         self.tokenizer = Tokenizer.from_file(str(tok_path))
-        self.proj, self.pool, self.out_hidden = self._projector(folder / "projector", device)
+        self.proj: tuple[Linear, Linear] | None = None
+        self.pool = 2
+        self.out_hidden: int | None = None  # without projector/: transcribe only
+        if (folder / "projector" / "config.json").is_file():
+            self.proj, self.pool, self.out_hidden = self._projector(folder / "projector", device)
         self._lock = threading.Lock()
 
     def _projector(self, folder: Path, device: str) -> tuple[tuple[Linear, Linear], int, int]:
-        if not (folder / "config.json").is_file():
-            raise InvalidArgument(
-                f"{folder.parent} has no projector/ (Whisper states → LLM hidden size); "
-                "write one with omniflow.models.whisper_ct2.write_projector"
-            )
         pc = read_config(folder, PROJECTOR_MODEL_TYPE)
         if int(pc["in_hidden_size"]) != self.model.d:
             raise InvalidArgument(
@@ -282,6 +281,12 @@ class WhisperEncoder:
     @torch.inference_mode()
     def encode(self, inp: WhisperInput) -> torch.Tensor:
         """Clip → [ceil(states / pool), out_hidden]: 25 tokens a second."""
+        if self.proj is None:
+            raise FailedPrecondition(
+                f"{self.folder} has no projector/ (Whisper states → the LLM's hidden size), so "
+                "it can transcribe but not encode; write one with "
+                "omniflow.models.whisper_ct2.write_projector"
+            )
         with self._lock:
             states = torch.cat([s[0, :n] for s, n in self._windows(inp)])
         x = F.avg_pool1d(states.T[None], self.pool, self.pool, ceil_mode=True)[0].T
