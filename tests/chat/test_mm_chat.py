@@ -78,3 +78,27 @@ def test_a_text_part_holding_a_placeholder_is_refused(smollm2_tokenizer_dir: Pat
     img = _item(b"picture", 4, "image")
     with pytest.raises(InvalidArgument, match="rendered 2 media placeholders for 1 media part"):
         _ids(pre, [("user", ["<|image|> is here:", img])])
+
+
+def test_a_text_prompt_with_media_keeps_the_tokenizer_bos(llama3_dir: Path):
+    """A completion prompt with a placeholder gets the tokenizer's special tokens once, as
+    the same text without media would (Llama-style: BOS from the post-processor)."""
+    from omniflow_services.worker.mm.prompt import text_segments
+
+    pre = Preprocessor.from_folder(llama3_dir, NS)
+    ref = transformers.AutoTokenizer.from_pretrained(llama3_dir)
+    bos = ref.convert_tokens_to_ids("<|begin_of_text|>")
+    assert pre.text_affixes() == ([bos], [])
+    assert pre.encode_text("Once upon") == ref("Once upon").input_ids
+    img = _item(b"picture" * 5, 9, "image")
+    loop = asyncio.new_event_loop()
+    try:
+        segs = text_segments("Once upon <|image|> a time", [img], ["image"])
+        ids = build_prompt(segs, pre.encode_piece, 16, loop, 64, affixes=pre.text_affixes()).tokens
+    finally:
+        loop.close()
+
+    def tok(s: str) -> list[int]:
+        return ref(s, add_special_tokens=False).input_ids
+
+    assert ids == [bos, *tok("Once upon "), *[pad_id(img.item_id)] * 9, *tok(" a time")]

@@ -86,6 +86,7 @@ class Preprocessor:
         self.namespace = namespace
         self.page_size = page_size
         self.eos_token_ids = eos_token_ids
+        self._affixes: tuple[list[int], list[int]] | None = None
 
     @classmethod
     def from_folder(
@@ -142,6 +143,20 @@ class Preprocessor:
     def encode_text(self, text: str) -> list[int]:
         """Ids of a completion prompt, special tokens added as the tokenizer's default."""
         return list(self.tokenizer.encode(text).ids)
+
+    def text_affixes(self) -> tuple[list[int], list[int]]:
+        """The special ids ``encode_text`` puts before and after a text (e.g. Llama's BOS),
+        for a text prompt tokenized in pieces (around media items)."""
+        if self._affixes is None:
+            enc = self.tokenizer.encode("a")
+            mask = list(enc.special_tokens_mask)
+            ids = list(enc.ids)
+            body = [i for i, m in enumerate(mask) if not m]
+            if not body:
+                self._affixes = ([], [])
+            else:
+                self._affixes = (ids[: body[0]], ids[body[-1] + 1 :])
+        return self._affixes
 
     def block_hashes(
         self, ids: Sequence[int], extra_keys: Mapping[int, bytes] | None = None

@@ -152,6 +152,7 @@ async def multimodal_request(
 ) -> tuple[GenerateRequest, MultimodalPrompt]:
     """The engine request for a chat (``turns``, through the model's chat template) or a
     text prompt with placeholders. Rendering and tokenizing run on a thread."""
+    affixes: tuple[list[int], list[int]] = ([], [])  # a chat's template writes its own
     if turns is not None:
         template = prep.require_template()  # before any media is encoded
         resolved: list[tuple[str, list[Segment]]] = []
@@ -164,6 +165,7 @@ async def multimodal_request(
     else:
         got = [await resolver.resolve(p) for p in items]
         segments = text_segments(text or "", got, [p.kind for p in items])
+        affixes = prep.text_affixes()  # the tokenizer's special tokens, as for any text
     prompt = await asyncio.to_thread(
         build_prompt,
         segments,
@@ -171,6 +173,7 @@ async def multimodal_request(
         engine.layout.page_size,
         asyncio.get_running_loop(),
         engine.model_config.hidden_size,
+        affixes=affixes,
     )
     req = GenerateRequest(
         request_id,

@@ -117,13 +117,16 @@ def build_prompt(
     loop: asyncio.AbstractEventLoop,
     hidden: int,
     timeout_s: float = 30.0,
+    affixes: tuple[Sequence[int], Sequence[int]] = ((), ()),
 ) -> MultimodalPrompt:
     """Tokens, extra keys and lazy embedding spans of ``segments``.
 
     Adjacent text is tokenized as one piece; each item takes ``num_tokens`` positions.
-    Embeddings are fetched on ``loop`` when the engine asks for them (from its own thread).
+    ``affixes`` are ids put before and after the whole (a text prompt's special tokens,
+    which a piecewise tokenizing leaves out). Embeddings are fetched on ``loop`` when the
+    engine asks for them (from its own thread).
     """
-    tokens: list[int] = []
+    tokens: list[int] = list(affixes[0])
     spans: list[MultimodalSpan] = []
     embeds: list[EmbedSpan] = []
     text = ""
@@ -141,6 +144,7 @@ def build_prompt(
         tokens.extend([0] * seg.num_tokens)  # rewritten to pad ids below
     if text:
         tokens.extend(tokenize(text))
+    tokens.extend(affixes[1])
     rewritten, extra = apply_multimodal(tokens, spans, page_size)
     return MultimodalPrompt(rewritten, extra, tuple(embeds), tuple(spans))
 
