@@ -114,3 +114,37 @@ async def test_transcribe_and_speak_through_workers(
         )
         assert (await _speak(t, "Still here."))[-1].wav
     assert enc.popen.poll() is None and tlk.popen.poll() is None
+
+
+async def test_a_workflow_speaks_and_hears_through_the_coordinator(
+    launch, whisper_dir: Path, piper_dir: Path, tmp_path: Path
+) -> None:
+    """talker.synthesize → encoder.transcribe as a graph: the router finds the Whisper
+    worker by its ``transcribe`` operation and the coordinator calls it through Invoke."""
+    from omniflow.client import Client
+    from omniflow.dsl import VType, Workflow
+
+    enc = launch(
+        "omniflow_services.worker", "whisper-enc", **_env("encoder", whisper_dir, tmp_path)
+    )
+    tlk = launch("omniflow_services.worker", "piper-talker", **_env("talker", piper_dir, tmp_path))
+    enc.wait_ready(180)
+    tlk.wait_ready(180)
+    router = launch("omniflow_services.router", "router").wait_ready()
+    coord = launch(
+        "omniflow_services.coordinator", "coordinator", OMNIFLOW_ROUTER_ADDR=router.address
+    ).wait_ready()
+
+    wf = Workflow("speak-and-hear", deadline_ms=120_000)
+    said = wf.call("say", "talker", "synthesize", text=wf.input("text", VType.TEXT))
+    heard = wf.call("hear", "encoder", "transcribe", audio=said["wav"])
+    wf.output("heard", heard["text"])
+    wf.output("rate", said["sample_rate"])
+    async with Client(coord.address) as client:
+        await client.register(wf)
+        result = await client.run("speak-and-hear", {"text": ANSWER})
+        assert result.ok, result.error
+        assert result.outputs["rate"] == 16000
+        assert wer(ANSWER, result.outputs["heard"]) <= 0.25, result.outputs["heard"]
+        failed = await client.run("speak-and-hear", {"text": ""})
+        assert not failed.ok and "text is empty" in failed.error
