@@ -241,3 +241,16 @@ def test_has_media():
     assert not has_media([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     assert has_media([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
     assert has_media([{"role": "user", "content": [{"type": "input_audio"}]}])
+
+
+def test_dict_and_namespace_globals_work_as_in_transformers(llama):
+    _, ref = llama
+    source = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "{% endfor %}{{ ns.n }}|{{ dict(a=1) | tojson }}|{{ dict.fromkeys(['x'], 2) | tojson }}"
+    )
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    want = ref.apply_chat_template(messages, chat_template=source, tokenize=False)
+    assert ChatTemplate(source).render(messages) == want == '2|{"a": 1}|{"x": 2}'
+    with pytest.raises(InvalidArgument, match="underscore"):
+        ChatTemplate("{% set ns = namespace(_x=1) %}").render(messages)

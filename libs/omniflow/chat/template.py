@@ -78,6 +78,17 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _Dict:
+    """``dict`` for templates (``dict(a=1)``, ``dict.fromkeys``) without handing them the
+    type object itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
 class _Namespace(jinja2.utils.Namespace):
     """jinja's ``namespace`` without underscore attributes (a sandbox hardening)."""
 
@@ -108,7 +119,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = dict
+    env.globals["dict"] = _Dict()
     env.globals["namespace"] = _Namespace
     return env
 
