@@ -1,11 +1,10 @@
-"""SSD tier page I/O against sequential file I/O of the same size, same directory, same run.
-
-Ours: 256 MiB of pages written through ``SsdTier.write`` (positioned page write + its
-record) and read back through ``SsdTier.read_many`` in batches of 64 pages (a prefetch
-hint for the batch, then one preadv per page into a preallocated buffer and an xxh3_64
-verification). Reference: a sequential write and read of a plain file of the same size in
-8 MiB chunks. Both writes end with fsync, and both files are dropped from the page cache
-(POSIX_FADV_DONTNEED) before reading, so reads hit the device.
+"""SSD tier page I/O against sequential file I/O of the same size, same directory, same
+run. Ours: 256 MiB of pages written through ``SsdTier.write`` (positioned page write +
+its record) and read back through ``SsdTier.read_into``, page by page (one positioned
+read per page into a preallocated buffer and an xxh3_64 verification). Reference: a
+sequential write and read of a plain file of the same size in 8 MiB chunks. Both writes
+end with fsync, and both files are dropped from the page cache (POSIX_FADV_DONTNEED)
+before reading, so reads hit the device.
 Run: ``python bench/kv_ssd.py [--dir DIR]`` (DIR on the SSD to measure).
 """
 
@@ -35,9 +34,7 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def ours(
-    directory: Path, page_bytes: int, pages: int, data: np.ndarray, batch: int
-) -> tuple[float, float]:
+def ours(directory: Path, page_bytes: int, pages: int, data: np.ndarray) -> tuple[float, float]:
     path = directory / "pages.bin"
     path.unlink(missing_ok=True)
     tier = SsdTier(SsdFile.open(path, page_bytes, pages))
@@ -93,16 +90,13 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--page-kib", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=64, help="pages per read_many (a chain)")
     a = ap.parse_args()
     page_bytes = a.page_kib * 1024
     pages = a.mib * 2**20 // page_bytes
     data = np.random.default_rng(0).integers(0, 256, pages * page_bytes, dtype=np.uint8)
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         d = Path(tmp)
-        runs = [
-            (ours(d, page_bytes, pages, data, a.batch), reference(d, data)) for _ in range(a.reps)
-        ]
+        runs = [(ours(d, page_bytes, pages, data), reference(d, data)) for _ in range(a.reps)]
     size = data.nbytes / 1e9
     ow = size / statistics.median(r[0][0] for r in runs)
     orr = size / statistics.median(r[0][1] for r in runs)

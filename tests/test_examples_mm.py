@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from omniflow.localredis import LocalRedisError, find_redis_server
-
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGY = """\
 node: mm-examples
@@ -36,11 +34,8 @@ def _example(name: str, args: list[str], env: dict[str, str]) -> subprocess.Comp
     )
 
 
+@pytest.mark.usefixtures("redis_binary")
 def test_omni_turn_and_prompt_to_png_examples(tmp_path: Path) -> None:
-    try:
-        find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
     pytest.importorskip("PIL", reason="the multimodal roles need Pillow (the worker extra)")
     from PIL import Image
 

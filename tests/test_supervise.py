@@ -20,7 +20,6 @@ import pytest
 
 from omniflow.client import Client
 from omniflow.dsl import VType, Workflow
-from omniflow.localredis import LocalRedisError, find_redis_server
 
 OMNIFLOW = shutil.which("omniflow") or str(Path(sys.executable).with_name("omniflow"))
 
@@ -63,11 +62,8 @@ def _shout() -> Workflow:
 
 
 @pytest.mark.integration
+@pytest.mark.usefixtures("redis_binary")
 def test_up_restarts_killed_services_and_down_ends_all(tmp_path: Path) -> None:
-    try:
-        find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMNIFLOW_RUN_DIR": str(run_dir), "OMNIFLOW_GATEWAY_PORT": "0"}
     env.pop("OMNIFLOW_REDIS_URL", None)

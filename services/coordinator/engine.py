@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -564,13 +564,6 @@ def _settle(future: asyncio.Future[Any], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
         future.exception()  # retrieved: consumers are cancelled with the group anyway
-
-
-def _later(callback: Callable[[], Any]) -> None:
-    """Run ``callback`` behind what the event loop already has to do: a 0 s timer joins
-    the ready queue only at the next turn, after the callbacks queued during this one
-    (so the worker call a node just started goes out before bookkeeping runs)."""
-    asyncio.get_running_loop().call_later(0, callback)
 
 
 def _strip_indices(path: str) -> str:

@@ -43,10 +43,6 @@ class SlotAllocator:
         self._free.append(slot)
 
     @property
-    def free_count(self) -> int:
-        return len(self._free)
-
-    @property
     def used_count(self) -> int:
         return self.num_slots - len(self._free)
 

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -62,13 +62,6 @@ class _Pin:
     pool: PagePool
     handles: list[PageHandle]
     deadline: float
-
-
-@dataclass(slots=True)
-class _Reserved:
-    pool: PagePool
-    slots: set[int] = field(default_factory=set)
-    deadline: float = 0.0
 
 
 class Pools:

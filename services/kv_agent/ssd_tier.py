@@ -231,22 +231,6 @@ class SsdTier:
                 f"(stored {page.checksum:016x}, read {got:016x}); dropped"
             )
 
-    def read_many(
-        self, keys: list[bytes], outs: list[np.ndarray | memoryview | bytearray]
-    ) -> list[bytes]:
-        """Read several pages, prefetching them all first so the device works in parallel.
-
-        Returns the keys that failed their checksum (dropped); the others are in ``outs``.
-        """
-        self.file.prefetch([self._pages[k].slot for k in keys])
-        failed = []
-        for key, out in zip(keys, outs, strict=True):
-            try:
-                self.read_into(key, out)
-            except DataLoss:
-                failed.append(key)
-        return failed
-
     def remove(self, key: bytes, force: bool = False) -> SsdPage:
         page = self._pages[key]
         if page.pins and not force:

@@ -21,9 +21,7 @@ from omniflow.client import Client
 from omniflow.dsl import VType, Workflow, register_operation
 from omniflow.errors import Unavailable
 from omniflow.localredis import (
-    LocalRedisError,
     RedisProcess,
-    find_redis_server,
     spawn_redis,
     start_redis,
     wait_redis,
@@ -40,13 +38,9 @@ PASSWORD = "t3st-only-password"
 
 
 @pytest.fixture
-def durable_redis(tmp_path: Path):
+def durable_redis(tmp_path: Path, redis_binary: Path):
     """A persistent (AOF everysec) Redis with a password, restartable on the same dir."""
-    try:
-        find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
-    server = start_redis(dir=tmp_path / "aof", persist=True, password=PASSWORD)
+    server = start_redis(dir=tmp_path / "aof", persist=True, password=PASSWORD, binary=redis_binary)
     box: dict[str, object] = {"server": server, "restarted": []}
     yield box
     for popen in box["restarted"]:  # type: ignore[attr-defined]

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from omniflow.localredis import LocalRedisError, find_redis_server
-
 pytestmark = pytest.mark.integration
 
 OMNIFLOW = shutil.which("omniflow") or str(Path(sys.executable).with_name("omniflow"))
@@ -25,11 +23,8 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 240) -> subproces
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.usefixtures("redis_binary")
 def test_examples_on_the_local_topology(tmp_path: Path) -> None:
-    try:
-        find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
     env = {
         **os.environ,
         "OMNIFLOW_RUN_DIR": str(tmp_path / "run"),

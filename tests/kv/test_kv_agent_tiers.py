@@ -209,7 +209,7 @@ def test_acquire_chain_promotes_and_stops_at_first_miss(arena: HostArena, tmp_pa
     assert store.stats().misses == 1
 
 
-def test_ssd_read_many_reports_corrupt_pages(tmp_path: Path) -> None:
+def test_ssd_read_drops_a_corrupt_page(tmp_path: Path) -> None:
     ssd = SsdTier(SsdFile.open(tmp_path / "p.bin", PAGE, 4))
     for i in range(3):
         ssd.write(NS + h(i), page(i), page_checksum(page(i)))
@@ -218,7 +218,10 @@ def test_ssd_read_many_reports_corrupt_pages(tmp_path: Path) -> None:
     os.pwrite(fd, b"\x00" * 8, ssd.file.data_offset + slot * ssd.file.stride)
     os.close(fd)
     outs = [bytearray(PAGE) for _ in range(3)]
-    assert ssd.read_many([NS + h(i) for i in range(3)], outs) == [NS + h(1)]
+    ssd.read_into(NS + h(0), outs[0])
+    with pytest.raises(DataLoss, match="checksum"):
+        ssd.read_into(NS + h(1), outs[1])
+    ssd.read_into(NS + h(2), outs[2])
     assert bytes(outs[0]) == page(0) and bytes(outs[2]) == page(2)
     assert NS + h(1) not in ssd
     ssd.file.close()

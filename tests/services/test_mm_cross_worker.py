@@ -15,7 +15,7 @@ from mm_cluster import Cluster
 from omniflow.chat import Preprocessor
 from omniflow.kv.blocks import block_hashes
 from omniflow.kv.client import KVClient, SourceKind
-from omniflow.localredis import LocalRedisError, find_redis_server, start_redis
+from omniflow.localredis import start_redis
 from omniflow.models.resolve import resolve_model
 from omniflow.models.tiny_mm import make_image_head
 from omniflow_services.worker.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
@@ -25,12 +25,8 @@ from omniflow_services.worker.mm.loading import load_roles
 
 
 @pytest.fixture
-def agents(tmp_path: Path) -> Iterator[Cluster]:
-    try:
-        find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
-    redis = start_redis(dir=tmp_path / "redis")
+def agents(tmp_path: Path, redis_binary: Path) -> Iterator[Cluster]:
+    redis = start_redis(dir=tmp_path / "redis", binary=redis_binary)
     c = Cluster(tmp_path, redis, tmp_path / "models")
     try:
         c.start("kv_index", "kv-index")

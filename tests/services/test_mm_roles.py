@@ -7,6 +7,7 @@ import asyncio
 import io
 import wave
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -18,7 +19,6 @@ from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.kv.blocks import item_id
 from omniflow.kv.client import KVClient
 from omniflow.kv.tensor_client import TensorClient
-from omniflow.localredis import LocalRedisError, find_redis_server
 from omniflow.rpc.client import open_channel
 
 pytestmark = pytest.mark.asyncio
@@ -28,11 +28,7 @@ AUDIO = common_pb2.MediaItem.KIND_AUDIO
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    try:
-        find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
+def cluster(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> Iterator[Cluster]:
     pytest.importorskip("PIL", reason="image decoding needs Pillow (the worker extra)")
     models = tmp_path_factory.mktemp("mm-models")
     make_models(models)

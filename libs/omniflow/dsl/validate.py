@@ -238,9 +238,3 @@ def validate_graph(graph: cpb.WorkflowGraph) -> None:
                 f"output {port.name!r} is declared {VType(port.type).name.lower()} "
                 f"but gets {got.name.lower()}"
             )
-
-
-def topological_order(nodes: Iterable[cpb.Node]) -> list[str]:
-    """Node names in an order where every node follows the nodes it reads from."""
-    nodes = list(nodes)
-    return _check_acyclic(nodes, _Scope((), nodes, ""))

@@ -145,9 +145,6 @@ class IndexLink:
         if self._channel is not None:
             await self._channel.close()
 
-    def request_snapshot(self) -> None:
-        self._snapshot_wanted = True
-
     # --- namespaces -------------------------------------------------------------------------
 
     async def layout(self, namespace: bytes) -> KVLayout:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import grpc
 import redis.exceptions as redis_exc
 
@@ -58,21 +55,3 @@ def error_from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError) -> errors.Omniflow
 def unimplemented(capability: str) -> errors.Unimplemented:
     """The error for an RPC whose capability has not been built into this service yet."""
     return errors.Unimplemented(f"not available yet: needs {capability}")
-
-
-def unimplemented_servicer(base: type, capability: str, keep: tuple[str, ...] = ()) -> type:
-    """A subclass of a generated servicer whose methods (except ``keep``) answer
-    UNIMPLEMENTED naming ``capability`` instead of gRPC's bare "Method not implemented"."""
-
-    def make(name: str) -> Callable[..., Any]:
-        async def method(self: object, request: object, context: object) -> None:
-            raise unimplemented(f"{capability} ({name})")
-
-        return method
-
-    methods = {
-        name: make(name)
-        for name in vars(base)
-        if not name.startswith("_") and callable(getattr(base, name)) and name not in keep
-    }
-    return type(f"Pending{base.__name__}", (base,), methods)
