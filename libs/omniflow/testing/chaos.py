@@ -1,0 +1,387 @@
+"""A chaos run against a real local topology (``omniflow up``, supervised), for the chaos
+test and ``bench/chaos.py``.
+
+The topology serves TEST echo workers (fake compute, no model), so a run costs little:
+an llm "generation" streams ``echo: <prompt>`` word by word. Load is a mix of workflow
+runs (client → coordinator → router → worker) and direct generations (client → the
+router's worker proxy → worker), all greedy, each checked against the answer recorded
+before any fault. One phase per service: while requests are in flight, that service is
+SIGKILLed; the supervisor restarts it with nobody's help.
+
+Each request ends as one of:
+
+- ``ok``: the right output at the first try;
+- ``retried``: the system reported a failure with a reason (a run adopted after its
+  coordinator died, a record Redis could not take, a router that did not answer) and
+  the client, like a well-behaved one, submitted again and got the right output;
+- ``wrong``: an output that differs from the recorded answer;
+- ``lost``: no answer the client could act on (it never heard how the request ended, or
+  the retries ran out), or a run still RUNNING in Redis once the adoption window passed.
+
+Recovery: seconds from the kill until a fresh request of each kind (submitted after the
+kill, no retries) succeeds; probed every ``probe_interval_s`` for up to ``window_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+
+from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
+from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.client import Client
+from omniflow.dsl import VType, Workflow
+from omniflow.errors import OmniflowError
+from omniflow.rpc.client import open_channel
+
+KILL_ORDER = ("llm-1", "kv-agent", "router", "coordinator", "kv-index", "redis")
+WORKFLOW = "chaos"
+RETRIES = 4
+
+
+def chaos_workflow() -> Workflow:
+    wf = Workflow(WORKFLOW, description="one echo generation (chaos test)")
+    reply = wf.call("say", "llm", "generate", prompt=wf.input("prompt", VType.TEXT))
+    wf.output("text", reply["text"])
+    return wf
+
+
+@dataclass(slots=True)
+class PhaseResult:
+    """What one killed service did to the requests in flight around it."""
+
+    killed: str
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"ok": 0, "retried": 0, "lost": 0, "wrong": 0}
+    )
+    recovery_s: float | None = None  # None: not within the window
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+class LocalTopology:
+    """``omniflow up`` in a run folder of its own, with echo workers; ``down`` at exit."""
+
+    def __init__(self, root: Path, *, workers: int = 2, token_delay_ms: float = 20.0) -> None:
+        self.root = root
+        self.run_dir = root / "run"
+        omniflow = shutil.which("omniflow") or str(Path(sys.executable).with_name("omniflow"))
+        self._omniflow = omniflow
+        self.env = {
+            **os.environ,
+            "OMNIFLOW_RUN_DIR": str(self.run_dir),
+            "OMNIFLOW_GATEWAY_PORT": "0",
+            "OMNIFLOW_REGISTRATION_TTL_S": "2",  # also the coordinators' lease TTL
+            "OMNIFLOW_ECHO_TOKEN_DELAY_MS": str(token_delay_ms),
+            "OMP_NUM_THREADS": "1",
+        }
+        self.env.pop("OMNIFLOW_REDIS_URL", None)
+        self.env.pop("OMNIFLOW_COORDINATOR_ADDR", None)
+        self.workers = workers
+
+    def _cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [self._omniflow, *args], env=self.env, capture_output=True, text=True,
+            timeout=timeout, check=False,
+        )  # fmt: skip
+
+    def up(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        topology = self.root / "topology.yaml"
+        topology.write_text(
+            f"node: chaos\nworkers:\n  - {{role: llm, count: {self.workers}, program: echo}}\n"
+        )
+        done = self._cli("up", "--topology", str(topology))
+        if done.returncode != 0:
+            self.down()
+            raise RuntimeError(f"omniflow up failed:\n{done.stdout}\n{done.stderr}")
+
+    def down(self) -> str:
+        return self._cli("down", timeout=120).stdout
+
+    def state(self) -> dict[str, Any]:
+        return dict(json.loads((self.run_dir / "state.json").read_text()))
+
+    def procs(self) -> dict[str, dict[str, Any]]:
+        return {p["name"]: p for p in self.state()["procs"]}
+
+    def all_pids(self) -> set[int]:
+        state = self.state()
+        return {p["pid"] for p in state["procs"]} | {state.get("supervisor", 0)} - {0}
+
+    def kill(self, name: str) -> int:
+        pid = int(self.procs()[name]["pid"])
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def healthy(self) -> bool:
+        return self._cli("status", timeout=60).returncode == 0
+
+    @property
+    def redis_url(self) -> str:
+        return str(self.state()["env"]["OMNIFLOW_REDIS_URL"])
+
+    def router_address(self) -> str:
+        return str(self.procs()["router"]["address"])
+
+
+class Load:
+    """The two kinds of request, each with the retries of a well-behaved client."""
+
+    def __init__(self, topo: LocalTopology, client: Client) -> None:
+        self.topo = topo
+        self.client = client
+        self.expected: dict[str, str] = {}
+        self.run_ids: list[str] = []
+
+    async def workflow(self, prompt: str, retries: int = RETRIES) -> tuple[str, str]:
+        """(outcome, detail) of one workflow run."""
+        backoff = 0.25
+        for attempt in range(retries + 1):
+            run_id = uuid.uuid4().hex
+            self.run_ids.append(run_id)
+            try:
+                final = None
+                async for ev in self.client.stream(WORKFLOW, {"prompt": prompt}, run_id=run_id):
+                    if ev.HasField("run_finished"):
+                        final = ev.run_finished
+                if final is None:
+                    return "lost", f"run {run_id}: stream ended without RunFinished"
+            except OmniflowError as exc:
+                if attempt == retries:
+                    return "lost", f"run {run_id}: {type(exc).__name__}: {exc}"
+                await asyncio.sleep(backoff)
+                backoff *= 2
+                continue
+            if final.state == cpb.RUN_STATE_SUCCEEDED:
+                text = final.outputs["text"].text
+                if text != self.expected[prompt]:
+                    return "wrong", f"run {run_id}: {text!r} != {self.expected[prompt]!r}"
+                return ("ok" if attempt == 0 else "retried"), ""
+            if not final.error or attempt == retries:
+                return "lost", f"run {run_id}: {final.error or 'failed with no reason'}"
+            await asyncio.sleep(backoff)  # a failure with a reason: submit again
+            backoff *= 2
+        return "lost", "unreachable"
+
+    async def _generate_once(self, prompt: str, timeout_s: float) -> str:
+        async with open_channel(self.topo.router_address(), default_timeout_s=timeout_s) as ch:
+            stub = worker_pb2_grpc.WorkerServiceStub(ch)
+            parts = []
+            req = worker_pb2.GenerateRequest(request_id=uuid.uuid4().hex, text=prompt)
+            async for chunk in stub.Generate(req, timeout=timeout_s):
+                parts.append(chunk.text)
+            return "".join(parts)
+
+    async def direct(self, prompt: str, retries: int = RETRIES) -> tuple[str, str]:
+        """(outcome, detail) of one generation through the router's worker proxy."""
+        backoff = 0.25
+        for attempt in range(retries + 1):
+            try:
+                text = await self._generate_once(prompt, 10.0)
+            except (grpc.aio.AioRpcError, OSError) as exc:
+                if attempt == retries:
+                    detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc
+                    return "lost", f"direct: {detail}"
+                await asyncio.sleep(backoff)
+                backoff *= 2
+                continue
+            if text != self.expected[prompt]:
+                return "wrong", f"direct: {text!r} != {self.expected[prompt]!r}"
+            return ("ok" if attempt == 0 else "retried"), ""
+        return "lost", "unreachable"
+
+    async def probe(self) -> tuple[bool, bool]:
+        """One fresh request of each kind with no retry: (workflow ok, direct ok)."""
+        prompt = next(iter(self.expected))
+        probe = Client(self.client.address, failover_s=0.0, resume_s=3.0, timeout_s=3.0)
+        try:
+            wf = await asyncio.wait_for(probe.run(WORKFLOW, {"prompt": prompt}), 3.0)
+            wf_ok = wf.ok and wf.outputs.get("text") == self.expected[prompt]
+        except (OmniflowError, TimeoutError):
+            wf_ok = False
+        finally:
+            await probe.close()
+        try:
+            direct_ok = await self._generate_once(prompt, 3.0) == self.expected[prompt]
+        except (grpc.aio.AioRpcError, OSError, TimeoutError):
+            direct_ok = False
+        return wf_ok, direct_ok
+
+
+async def _recovery(load: Load, killed_at: float, window_s: float, every_s: float) -> float | None:
+    seen = [False, False]
+    end = killed_at + window_s
+    while time.monotonic() < end:
+        started = time.monotonic()
+        for i, ok in enumerate(await load.probe()):
+            seen[i] = seen[i] or ok
+        if all(seen):
+            return time.monotonic() - killed_at
+        await asyncio.sleep(max(0.0, every_s - (time.monotonic() - started)))
+    return None
+
+
+async def run_phase(
+    topo: LocalTopology,
+    load: Load,
+    target: str,
+    requests: int,
+    *,
+    spacing_s: float = 0.08,
+    window_s: float = 10.0,
+    probe_interval_s: float = 0.5,
+) -> PhaseResult:
+    """Send ``requests`` (alternating kinds) ``spacing_s`` apart; SIGKILL ``target`` after a
+    third of them started; wait for them all and for the recovery probes."""
+    result = PhaseResult(target)
+    prompts = list(load.expected)
+    tasks: list[asyncio.Task[tuple[str, str]]] = []
+    recovery: asyncio.Task[float | None] | None = None
+    for i in range(requests):
+        prompt = prompts[i % len(prompts)]
+        kind: Callable[[str], Awaitable[tuple[str, str]]] = (
+            load.workflow if i % 2 == 0 else load.direct
+        )
+        tasks.append(asyncio.create_task(kind(prompt)))
+        if i == requests // 3:
+            topo.kill(target)
+            recovery = asyncio.create_task(
+                _recovery(load, time.monotonic(), window_s, probe_interval_s)
+            )
+        await asyncio.sleep(spacing_s)
+    for outcome, detail in await asyncio.gather(*tasks):
+        result.counts[outcome] += 1
+        if detail:
+            result.notes.append(detail)
+    assert recovery is not None
+    result.recovery_s = await recovery
+    return result
+
+
+async def stuck_runs(topo: LocalTopology, run_ids: list[str], wait_s: float) -> list[str]:
+    """Runs still RUNNING (or active) once ``wait_s`` of adoption window passed."""
+    db = aioredis.from_url(topo.redis_url, socket_timeout=5)
+    try:
+        end = time.monotonic() + wait_s
+        stuck: list[str] = []
+        while True:
+            stuck = []
+            active = {k.decode() for k in await db.hkeys("omniflow:runs:active")}
+            for run_id in run_ids:
+                raw = await db.get(f"omniflow:run:{run_id}")
+                if raw is None:
+                    if run_id in active:
+                        stuck.append(run_id)
+                    continue  # never accepted (its submission failed, and was retried)
+                run = cpb.Run()
+                run.ParseFromString(raw)
+                if run.state in (cpb.RUN_STATE_RUNNING, cpb.RUN_STATE_PENDING):
+                    stuck.append(run_id)
+            if not stuck or time.monotonic() > end:
+                return stuck
+            await asyncio.sleep(0.5)
+    finally:
+        await db.aclose()
+
+
+async def wait_healthy(topo: LocalTopology, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if await asyncio.to_thread(topo.healthy):
+            return True
+        await asyncio.sleep(0.5)
+    return False
+
+
+async def chaos(
+    root: Path,
+    *,
+    per_phase: int = 16,
+    targets: tuple[str, ...] = KILL_ORDER,
+    window_s: float = 10.0,
+    log: Callable[[str], None] = print,
+) -> ChaosResult:
+    """The whole run: up, record answers, one phase per target, check nothing is stuck,
+    down."""
+    topo = LocalTopology(root)
+    topo.up()
+    started = topo.all_pids()
+    try:
+        coordinator = topo.procs()["coordinator"]["address"]
+        async with Client(coordinator, resume_s=30.0) as client:
+            await client.register(chaos_workflow())
+            load = Load(topo, client)
+            for i in range(4):  # the answers, recorded before any fault
+                prompt = f"q{i} how are the pages today"
+                result = await client.run(WORKFLOW, {"prompt": prompt})
+                if not result.ok:
+                    raise RuntimeError(f"baseline run failed: {result.error}")
+                load.expected[prompt] = result.outputs["text"]
+            phases = []
+            for target in targets:
+                log(f"phase: SIGKILL {target} under load ...")
+                phase = await run_phase(topo, load, target, per_phase, window_s=window_s)
+                if not await wait_healthy(topo, 60.0):
+                    phase.notes.append("topology not healthy again within 60 s")
+                started |= topo.all_pids()
+                phases.append(phase)
+            stuck = await stuck_runs(topo, load.run_ids, wait_s=15.0)
+    finally:
+        started |= topo.all_pids()
+        topo.down()
+        left = _reap_leftovers(started, topo.run_dir)
+    return ChaosResult(phases, stuck, left)
+
+
+@dataclass(slots=True)
+class ChaosResult:
+    phases: list[PhaseResult]
+    stuck: list[str]  # runs left RUNNING after the adoption window
+    left_behind: list[int]  # PIDs ``omniflow down`` did not end (ended here, by PID)
+
+
+def _reap_leftovers(pids: set[int], run_dir: Path) -> list[int]:
+    """After ``down``: a process of this run still alive (should be none) is ended, by
+    PID, once its environment or command line shows it belongs to ``run_dir``."""
+    time.sleep(1.0)
+    mine = str(run_dir).encode()
+    left = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if mine in cmd or b"OMNIFLOW_RUN_DIR=" + mine + b"\0" in environ + b"\0":
+            left.append(pid)
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def table(phases: list[PhaseResult]) -> str:
+    rows = [("killed", "requests", "ok", "retried", "lost", "wrong", "recovery s")]
+    for p in phases:
+        c = p.counts
+        rec = "-" if p.recovery_s is None else f"{p.recovery_s:.1f}"
+        rows.append((p.killed, str(p.total), str(c["ok"]), str(c["retried"]), str(c["lost"]),
+                     str(c["wrong"]), rec))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
