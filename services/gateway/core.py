@@ -14,11 +14,11 @@ import binascii
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omniflow.chat import Preprocessor, acached_preprocessor
 from omniflow.errors import InvalidArgument, NotFound, OmniflowError, Unavailable
@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 WORKFLOW_PREFIX = "workflow:"
 DEFAULT_PAGE_SIZE = 16
+INLINE_CHARS = 1024  # prompts up to this many characters are tokenized on the loop
+T = TypeVar("T")
 SERVED_ROLES = ("llm", "diffusion", "talker")
 # Preferred graph outputs for a workflow's answer, in order (else its last output).
 ANSWER_OUTPUTS = ("answer", "text", "output", "response")
@@ -90,6 +92,7 @@ class GatewayCore:
     def __init__(self, settings: GatewaySettings, backends: Backends) -> None:
         self.settings = settings
         self.backends = backends
+        self._pre: dict[tuple[str, str, str], Preprocessor] = {}
 
     # ------------------------------------------------------------ catalog
 
@@ -140,12 +143,18 @@ class GatewayCore:
         )
 
     async def preprocessor(self, worker: WorkerRecord) -> Preprocessor:
-        try:
-            namespace = bytes.fromhex(worker.kv_namespace)
-        except ValueError:
-            namespace = b""
-        page = int(worker.metadata.get("kv_page_size", "") or DEFAULT_PAGE_SIZE)
-        return await acached_preprocessor(self._folder(worker), namespace, page)
+        """The worker model's preprocessor (loaded on a thread the first time only)."""
+        key = (worker.model, worker.kv_namespace, worker.metadata.get("kv_page_size", ""))
+        pre = self._pre.get(key)
+        if pre is None:
+            try:
+                namespace = bytes.fromhex(worker.kv_namespace)
+            except ValueError:
+                namespace = b""
+            page = int(key[2] or DEFAULT_PAGE_SIZE)
+            pre = await acached_preprocessor(self._folder(worker), namespace, page)
+            self._pre[key] = pre
+        return pre
 
     def check_capabilities(self, workers: list[WorkerRecord], sampling: Sampling) -> None:
         """400 for a sampling feature the model's workers do not advertise."""
@@ -179,7 +188,8 @@ class GatewayCore:
                 for r, ps in parts
             ]
         pre = await self.preprocessor(workers[0])
-        ids, hashes = await asyncio.to_thread(_chat_ids, pre, messages)
+        size = sum(len(m["content"]) for m in messages)
+        ids, hashes = await _off_loop(size, _chat_ids, pre, messages)
         sampling = replace(sampling, stop_token_ids=pre.eos_token_ids)
         return Prepared(model, workers, sampling, ids, hashes, workers[0].kv_namespace, pre=pre)
 
@@ -191,7 +201,7 @@ class GatewayCore:
         self.check_capabilities(workers, sampling)
         pre = await self.preprocessor(workers[0])
         if isinstance(prompt, str):
-            ids, hashes = await asyncio.to_thread(_text_ids, pre, prompt)
+            ids, hashes = await _off_loop(len(prompt), _text_ids, pre, prompt)
         else:
             ids, hashes = list(prompt), pre.block_hashes(prompt)
         sampling = replace(sampling, stop_token_ids=pre.eos_token_ids)
@@ -370,6 +380,15 @@ class GatewayCore:
             async for chunk in stream:
                 if chunk.outputs is not None or (chunk.node == node and chunk.output == "text"):
                     yield chunk
+
+
+async def _off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a thread, or inline for a short prompt: a thread hop costs more
+    than templating and tokenizing a few hundred characters, and a long prompt on the
+    loop would stall every stream the gateway is serving."""
+    if size <= INLINE_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def _chat_ids(
