@@ -211,3 +211,65 @@ def settings_from_argv(cls: type[T], argv: list[str] | None, description: str) -
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+@dataclass(frozen=True, slots=True)
+class SecuritySettings:
+    """Transport security and caller authentication, read once per process (every server
+    and channel of the process uses them; see docs/security.md)."""
+
+    tls: str = setting(
+        "OMNIFLOW_TLS",
+        "off",
+        "mutual TLS on every server and channel; off: plaintext (development only)",
+        choices=("on", "off"),
+    )
+    tls_ca: str = setting("OMNIFLOW_TLS_CA", "", "CA certificate (PEM) that signs every peer")
+    tls_cert: str = setting(
+        "OMNIFLOW_TLS_CERT", "", "this process's certificate (PEM; its URI SAN is its identity)"
+    )
+    tls_key: str = setting("OMNIFLOW_TLS_KEY", "", "this process's private key (PEM, mode 0600)")
+    auth: str = setting(
+        "OMNIFLOW_AUTH",
+        "off",
+        "check every RPC against the policy table (needs OMNIFLOW_TLS=on)",
+        choices=("on", "off"),
+    )
+    tokens_file: str = setting(
+        "OMNIFLOW_TOKENS_FILE", "", "servers: JSON file of caller tokens (token → tenant, roles)"
+    )
+    token: str = setting(
+        "OMNIFLOW_TOKEN", "", "clients: the token this process presents (authorization: Bearer)"
+    )
+    reflection: str = setting(
+        "OMNIFLOW_REFLECTION",
+        "dev",
+        "gRPC server reflection; dev: only when OMNIFLOW_TLS=off",
+        choices=("dev", "on", "off"),
+    )
+
+    @property
+    def tls_on(self) -> bool:
+        return self.tls == "on"
+
+    @property
+    def auth_on(self) -> bool:
+        return self.auth == "on"
+
+    def check(self) -> SecuritySettings:
+        """Fail fast on a configuration that cannot work; returns self."""
+        if self.tls_on:
+            for env, value in (
+                ("OMNIFLOW_TLS_CA", self.tls_ca),
+                ("OMNIFLOW_TLS_CERT", self.tls_cert),
+                ("OMNIFLOW_TLS_KEY", self.tls_key),
+            ):
+                if not value:
+                    raise SettingsError(f"{env} is required with OMNIFLOW_TLS=on")
+                if not Path(value).is_file():
+                    raise SettingsError(f"{env}={value!r}: no such file")
+        if self.auth_on and not self.tls_on:
+            raise SettingsError(
+                "OMNIFLOW_AUTH=on needs OMNIFLOW_TLS=on (identities come from certificates)"
+            )
+        return self

@@ -71,3 +71,15 @@ class Unimplemented(OmniflowError):
     """The operation is not available in this build or on this worker."""
 
     code_name = "UNIMPLEMENTED"
+
+
+class Unauthenticated(OmniflowError):
+    """The caller could not be identified (no certificate identity, an unknown token)."""
+
+    code_name = "UNAUTHENTICATED"
+
+
+class PermissionDenied(OmniflowError):
+    """The caller is known but may not do this (docs/security.md has the policy)."""
+
+    code_name = "PERMISSION_DENIED"

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omniflow.rpc.interceptors import TracedChannel
+from omniflow.security.transport import Security, state
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -57,20 +58,40 @@ def open_channel(
     default_timeout_s: float = 10.0,
     max_in_flight: int | None = 256,
     idempotent: Iterable[str] = (),
+    security: Security | None = None,
 ) -> TracedChannel:
-    """An insecure grpc.aio channel with deadlines, tracing and bounds (see TracedChannel)."""
+    """A grpc.aio channel with deadlines, tracing and bounds (see TracedChannel).
+
+    Mutual TLS and the process's token when the security settings say so (OMNIFLOW_TLS,
+    OMNIFLOW_TOKEN); ``security`` overrides the process's (tests with several identities).
+    """
     options: list[tuple[str, int | str]] = list(CLIENT_OPTIONS)
     config = _retry_config(idempotent)
     if config:
         options.append(("grpc.service_config", config))
-    channel = grpc.aio.insecure_channel(address, options=options)
-    return TracedChannel(channel, default_timeout_s, max_in_flight)
+    sec = security or state()
+    channel = raw_channel(address, options, sec)
+    return TracedChannel(channel, default_timeout_s, max_in_flight, sec.call_metadata())
 
 
-async def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> str:
+def raw_channel(
+    address: str,
+    options: list[tuple[str, int | str]] | None = None,
+    security: Security | None = None,
+) -> grpc.aio.Channel:
+    """A plain grpc.aio channel: TLS with this process's certificate when it is on."""
+    sec = security or state()
+    if sec.tls_on:
+        return grpc.aio.secure_channel(address, sec.channel_credentials(), options=options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+async def check_health(
+    address: str, service: str = "", timeout_s: float = 1.0, security: Security | None = None
+) -> str:
     """The health status name of ``service`` at ``address`` ("SERVING", "NOT_SERVING", ...),
     or "UNREACHABLE" when it does not answer in time."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with raw_channel(address, security=security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(
@@ -81,13 +102,15 @@ async def check_health(address: str, service: str = "", timeout_s: float = 1.0) 
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-async def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
+async def wait_serving(
+    address: str, timeout_s: float, service: str = "", security: Security | None = None
+) -> None:
     """Wait until ``address`` reports SERVING; raises TimeoutError naming the last status."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
     status = "UNREACHABLE"
     while loop.time() < end:
-        status = await check_health(address, service, timeout_s=min(1.0, timeout_s))
+        status = await check_health(address, service, min(1.0, timeout_s), security)
         if status == "SERVING":
             return
         await asyncio.sleep(0.05)

@@ -27,6 +27,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from omniflow import errors, telemetry
 from omniflow.rpc.status import domain_error, status_of
+from omniflow.security import policy
+from omniflow.security.identity import Identity
+from omniflow.security.transport import Security
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +66,11 @@ class WrappingServer:
     ``grpc.aio.ServerInterceptor`` does per call (no extra coroutine hop per RPC).
     """
 
-    def __init__(self, server: grpc.aio.Server) -> None:
+    def __init__(self, server: grpc.aio.Server, security: Security | None = None) -> None:
         self._server = server
         self._pending: list[grpc.GenericRpcHandler] = []
+        # With auth off the handlers are wrapped without any check (no cost per call).
+        self._security = security if security is not None and security.auth_on else None
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         # Generated code follows this with add_registered_method_handlers for the same
@@ -75,7 +80,10 @@ class WrappingServer:
     def add_registered_method_handlers(
         self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
     ) -> None:
-        wrapped = {name: _wrap_handler(h, f"/{service}/{name}") for name, h in handlers.items()}
+        sec = self._security
+        wrapped = {
+            name: _wrap_handler(h, f"/{service}/{name}", sec) for name, h in handlers.items()
+        }
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, wrapped),)
         )
@@ -94,29 +102,52 @@ def _service_of(handler: Any) -> str | None:
     return name() if callable(name) else None
 
 
-def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+class _Guard:
+    """The policy check of one method: who calls (certificate, token) and may they."""
+
+    __slots__ = ("method", "own", "rule", "security")
+
+    def __init__(self, security: Security, method: str) -> None:
+        self.security, self.method = security, method
+        self.rule = policy.rule_for(method)
+        self.own: Identity | None = security.identity
+
+    def check(self, context: grpc.aio.ServicerContext) -> None:
+        # Each RPC runs in a task of its own: the caller set here is that RPC's alone.
+        who = self.security.principal(context)
+        if not self.rule.allows(who, self.own):
+            raise errors.PermissionDenied(
+                f"{self.method}: {who.describe()} may not call this method (docs/security.md)"
+            )
+        policy.set_current(who)
+
+
+def _wrap_handler(
+    handler: grpc.RpcMethodHandler, method: str, security: Security | None = None
+) -> grpc.RpcMethodHandler:
     short = method.rsplit("/", 1)[-1]
     parse = _tolerant(handler.request_deserializer)
+    guard = _Guard(security, method) if security is not None else None
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(
-            _wrap_unary(handler.unary_unary, method, short, False),
+            _wrap_unary(handler.unary_unary, method, short, False, guard),
             parse,
             handler.response_serializer,
         )
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(
-            _wrap_unary(handler.stream_unary, method, short, True),
+            _wrap_unary(handler.stream_unary, method, short, True, guard),
             parse,
             handler.response_serializer,
         )
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
-            _wrap_stream(handler.unary_stream, method, short, False),
+            _wrap_stream(handler.unary_stream, method, short, False, guard),
             parse,
             handler.response_serializer,
         )
     return grpc.stream_stream_rpc_method_handler(
-        _wrap_stream(handler.stream_stream, method, short, True),
+        _wrap_stream(handler.stream_stream, method, short, True, guard),
         parse,
         handler.response_serializer,
     )
@@ -246,7 +277,11 @@ async def _fail(
 
 
 def _wrap_unary(
-    behavior: Callable[..., Any], method: str, short: str, streamed: bool
+    behavior: Callable[..., Any],
+    method: str,
+    short: str,
+    streamed: bool,
+    guard: _Guard | None = None,
 ) -> Callable[..., Any]:
     stats = _MethodStats(method)
 
@@ -254,6 +289,8 @@ def _wrap_unary(
         started = time.perf_counter()
         span, token, dl_token = _enter(context, method)
         try:
+            if guard is not None:
+                guard.check(context)
             if streamed:
                 request = _checked(request, context, short)
             elif type(request) is _Undecodable:
@@ -271,11 +308,15 @@ def _wrap_unary(
 
 
 def _wrap_stream(
-    behavior: Callable[..., Any], method: str, short: str, streamed: bool
+    behavior: Callable[..., Any],
+    method: str,
+    short: str,
+    streamed: bool,
+    guard: _Guard | None = None,
 ) -> Callable[..., Any]:
     if not inspect.isasyncgenfunction(behavior):
         # A handler that writes with context.write() is a plain coroutine.
-        return _wrap_unary(behavior, method, short, streamed)
+        return _wrap_unary(behavior, method, short, streamed, guard)
 
     stats = _MethodStats(method)
 
@@ -283,6 +324,8 @@ def _wrap_stream(
         started = time.perf_counter()
         span, token, dl_token = _enter(context, method)
         try:
+            if guard is not None:
+                guard.check(context)
             if streamed:
                 request = _checked(request, context, short)
             elif type(request) is _Undecodable:
@@ -311,11 +354,17 @@ class TracedChannel:
     """
 
     def __init__(
-        self, channel: grpc.aio.Channel, default_timeout_s: float, max_in_flight: int | None
+        self,
+        channel: grpc.aio.Channel,
+        default_timeout_s: float,
+        max_in_flight: int | None,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._channel = channel
         self.default_timeout_s = default_timeout_s
         self._slots = asyncio.Semaphore(max_in_flight) if max_in_flight else None
+        #: Sent with every call before the caller's own (the process's token).
+        self.metadata = metadata
 
     # -- what stubs call
     def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -357,7 +406,7 @@ class TracedChannel:
             timeout = min(timeout, max(left, 0.0))
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-        return span, timeout, (*tuple(metadata or ()), *carrier.items())
+        return span, timeout, (*self.metadata, *tuple(metadata or ()), *carrier.items())
 
     async def acquire(self) -> None:
         if self._slots is not None:

@@ -29,6 +29,7 @@ from omniflow.discovery import Registry, ServiceInstance, make_registry
 from omniflow.logsetup import setup_logging
 from omniflow.rpc.client import MAX_MESSAGE_BYTES
 from omniflow.rpc.interceptors import WrappingServer
+from omniflow.security.transport import Security, state
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,16 @@ class ServiceHost:
     """Runs one ServiceApp: the part of the bootstrap that tests drive in-process."""
 
     def __init__(
-        self, app: ServiceApp, settings: CommonSettings, registry: Registry | None = None
+        self,
+        app: ServiceApp,
+        settings: CommonSettings,
+        registry: Registry | None = None,
+        security: Security | None = None,
     ) -> None:
         self.app = app
         self.settings = settings
+        #: TLS and the policy (the process's, from OMNIFLOW_TLS & co., unless given).
+        self.security = security or state()
         self.registry = registry or registry_from_settings(settings)
         self.server = grpc.aio.server(
             options=SERVER_OPTIONS,
@@ -120,16 +127,24 @@ class ServiceHost:
     async def start(self) -> str:
         """Bind, start serving (NOT_SERVING), start the app, register, turn SERVING."""
         s = self.settings
-        wrapping = WrappingServer(self.server)
+        sec = self.security
+        wrapping = WrappingServer(self.server, sec)
         self._service_names = self.app.add_servicers(wrapping)  # type: ignore[arg-type]
         wrapping.finish()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [*self._service_names, "grpc.health.v1.Health", reflection.SERVICE_NAME], self.server
-        )
+        if sec.reflection_on:
+            reflection.enable_server_reflection(
+                [*self._service_names, "grpc.health.v1.Health", reflection.SERVICE_NAME],
+                self.server,
+            )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
-            self.port = self.server.add_insecure_port(f"{s.host}:{s.port}")
+            if sec.tls_on:
+                self.port = self.server.add_secure_port(
+                    f"{s.host}:{s.port}", sec.server_credentials()
+                )
+            else:
+                self.port = self.server.add_insecure_port(f"{s.host}:{s.port}")
         except RuntimeError as exc:
             raise RuntimeError(f"cannot bind {s.host}:{s.port} ({exc}); set OMNIFLOW_PORT") from exc
         await self.server.start()

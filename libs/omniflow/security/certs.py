@@ -1,0 +1,155 @@
+"""A local certificate authority: one CA, and a certificate per service identity.
+
+The identity of a service is a URI SAN ``omniflow://<kind>/<node>/<instance>`` (see
+:mod:`omniflow.security.identity`); the DNS/IP SANs (``localhost``, ``127.0.0.1``, the
+host name, and any extra names such as compose service names) let clients verify the
+server's host name as gRPC does by default. Keys are EC P-256 and written 0600.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from omniflow.security.identity import Identity
+
+CA_CERT = "ca.pem"
+CA_KEY = "ca.key"
+VALID_DAYS = 365
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedCert:
+    """Where one identity's certificate and key were written."""
+
+    identity: Identity
+    cert: Path
+    key: Path
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    data = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    # Created 0600 from the start: never a moment where the key is world-readable.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.chmod(path, 0o600)
+
+
+def _name(common: str) -> x509.Name:
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "omniflow"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common[:64]),
+        ]
+    )
+
+
+def _window() -> tuple[datetime.datetime, datetime.datetime]:
+    now = datetime.datetime.now(datetime.UTC)
+    return now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
+
+
+def ensure_ca(folder: Path) -> tuple[Path, Path]:
+    """The CA in ``folder`` (made once; an existing one is kept). Returns (cert, key)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    cert_path, key_path = folder / CA_CERT, folder / CA_KEY
+    if cert_path.exists() and key_path.exists():
+        return cert_path, key_path
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = _name("omniflow local CA")
+    start, end = _window()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    _write_key(key_path, key)
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return cert_path, key_path
+
+
+def _sans(identity: Identity, dns: tuple[str, ...]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.uri)]
+    seen: set[str] = set()
+    for host in ("localhost", socket.gethostname(), *dns):
+        if host and host not in seen:
+            seen.add(host)
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                names.append(x509.DNSName(host))
+    for ip in ("127.0.0.1", "::1"):
+        if ip not in seen:
+            names.append(x509.IPAddress(ipaddress.ip_address(ip)))
+    return names
+
+
+def issue(folder: Path, identity: Identity, dns: tuple[str, ...] = ()) -> IssuedCert:
+    """A certificate and key for ``identity`` signed by the CA in ``folder``.
+
+    Written as ``<file_stem>.pem`` / ``<file_stem>.key``; an existing pair is replaced.
+    Usable as a server and as a client certificate (mutual TLS).
+    """
+    ca_cert_path, ca_key_path = ensure_ca(folder)
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    start, end = _window()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(identity.uri))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(_sans(identity, dns)), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    )
+    stem = identity.file_stem
+    key_path, cert_path = folder / f"{stem}.key", folder / f"{stem}.pem"
+    _write_key(key_path, key)
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return IssuedCert(identity, cert_path, key_path)
