@@ -107,7 +107,8 @@ class EngineConfig:
     ``model_id`` names the model in the KV namespace (default: the folder's name); workers
     that should share KV pages must agree on it. ``matmul`` picks the linear layers' kernel:
     "onednn" (weights prepacked once; CPU bfloat16 only), "aten" (``F.linear``) or "auto"
-    (onednn where it applies).
+    (onednn where it applies). ``decode_kv_bytes`` bounds the decode batch's contiguous K/V
+    copy kept across steps (``decode_kv``); 0 gathers the pages at every step instead.
     """
 
     dtype: str = "float32"
@@ -121,6 +122,7 @@ class EngineConfig:
     model_id: str | None = None
     enable_prefix_cache: bool = True
     matmul: str = "auto"
+    decode_kv_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -8,6 +8,7 @@ steps in a worker thread and streams each request's outputs.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 from collections import deque
@@ -21,6 +22,7 @@ from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import ROOT_PARENT, KVLayout, hash_page
 from omniflow_services.worker.engine.config import EngineConfig
 from omniflow_services.worker.engine.connector import BlockEventSink, KVConnector
+from omniflow_services.worker.engine.decode_kv import DecodeKV
 from omniflow_services.worker.engine.detok import Detokenizer
 from omniflow_services.worker.engine.kv_pool import KVPool
 from omniflow_services.worker.engine.loader import load_model
@@ -93,6 +95,17 @@ class Engine:
         self._aborts: deque[str] = deque()
         self._id_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._uids = itertools.count()
+        if cfg.decode_kv_bytes > 0:
+            self.model.decode_kv = DecodeKV(
+                mc.num_layers,
+                mc.num_kv_heads,
+                mc.head_dim,
+                cfg.page_size,
+                self.model.dtype,
+                self._device,
+                cfg.decode_kv_bytes,
+            )
         self._loop_task: asyncio.Task[None] | None = None
         log.info(
             "engine ready: %s, %d KV pages of %d tokens",
@@ -189,6 +202,7 @@ class Engine:
             generator=gen,
             embeds=tuple(sorted(req.embeds, key=lambda x: x.start)),
             want_kv=req.return_kv,
+            uid=next(self._uids),
         )
         if p.penalised:
             seq.penalty = PenaltyState(p, ids, self.model_config.vocab_size, self._device)
@@ -372,7 +386,9 @@ class Engine:
         kept = []
         for s in scheduled:
             nc = s.seq.num_computed
-            inp = SeqInput(s.seq.tokens[nc : nc + s.num_tokens], nc, s.seq.pages, s.completes)
+            inp = SeqInput(
+                s.seq.tokens[nc : nc + s.num_tokens], nc, s.seq.pages, s.completes, uid=s.seq.uid
+            )
             if s.seq.embeds:
                 try:
                     rows, values = self._chunk_embeds(s.seq, nc, s.num_tokens)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from omniflow_services.worker.engine.config import ModelConfig
+from omniflow_services.worker.engine.decode_kv import DecodeKV, DecodePlan
 from omniflow_services.worker.engine.kv_pool import KVPool
 from omniflow_services.worker.engine.rope import Rotary, apply_rotary
 
@@ -116,6 +117,10 @@ class ForwardBatch:
     embed_values: torch.Tensor | None = None
     fresh: tuple[FreshRun, ...] = ()
     all_decode: bool = False
+    # The decode rows' request uids, contexts and page tables (for ``DecodeKV``).
+    decode_ids: tuple[int, ...] = ()
+    decode_ctx: list[int] | None = None
+    decode_tables: list[list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -129,6 +134,7 @@ class SeqInput:
     # Media positions of this chunk (row offsets) and their input embeddings [rows, hidden].
     embed_rows: list[int] | None = None
     embed_values: torch.Tensor | None = None
+    uid: int = -1  # the request's unique id (-1: unknown, no decode K/V reuse)
 
 
 def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> ForwardBatch:
@@ -140,6 +146,7 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> F
     decode_rows: list[int] = []
     decode_tables: list[list[int]] = []
     decode_ctx: list[int] = []
+    decode_ids: list[int] = []
     prefills: list[PrefillSeq] = []
     logit_rows: list[int] = []
     e_rows: list[int] = []
@@ -167,6 +174,7 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> F
             decode_rows.append(row0)
             decode_tables.append(used)
             decode_ctx.append(ctx)
+            decode_ids.append(s.uid)
         elif s.start == 0:
             prev = fresh[-1] if fresh else None
             if prev and prev.q_len == n and prev.row0 + prev.count * n == row0:
@@ -212,6 +220,9 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> F
         embed_values=torch.cat(e_values) if e_values else None,
         fresh=tuple(fresh),
         all_decode=len(decode_rows) == len(ids),
+        decode_ids=tuple(decode_ids),
+        decode_ctx=decode_ctx,
+        decode_tables=decode_tables,
     )
 
 
@@ -257,6 +268,8 @@ class DecoderModel:
             for lw in layers
         ]
         self.lm = make_linear(lm_head, None, pk)
+        # Set by the engine (it knows the page size and the memory budget).
+        self.decode_kv: DecodeKV | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
@@ -269,6 +282,7 @@ class DecoderModel:
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_size = self.q_size + self.kv_size
         inter = cfg.intermediate_size
+        plan = self._decode_plan(batch)
         for li, (lw, lin) in enumerate(zip(self.layers, self.linears, strict=True)):
             x = _rms_norm(h, lw.in_norm, cfg.rms_norm_eps)
             qkv = lin.qkv(x)
@@ -280,7 +294,7 @@ class DecoderModel:
             # caches are [H, pages, P, D], written through their [H, pages * P, D] views.
             k_cache.view(kvh, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
             v_cache.view(kvh, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
-            attn = self._attention(q, k, v, batch, k_cache, v_cache)
+            attn = self._attention(q, k, v, batch, k_cache, v_cache, plan, li)
             h = h + lin.o(attn.reshape(-1, self.q_size))
             x = _rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
             gu = lin.gate_up(x)
@@ -288,6 +302,40 @@ class DecoderModel:
         last = h.index_select(0, batch.logit_rows)
         last = _rms_norm(last, self.final_norm, cfg.rms_norm_eps)
         return self.lm(last).float()
+
+    def _decode_plan(self, batch: ForwardBatch) -> DecodePlan | None:
+        dkv = self.decode_kv
+        if dkv is None or batch.decode_rows is None or -1 in batch.decode_ids:
+            return None
+        assert batch.decode_ctx is not None and batch.decode_tables is not None
+        return dkv.plan(batch.decode_ids, batch.decode_ctx, batch.decode_tables)
+
+    def _decode_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: DecodePlan,
+        li: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's decode keys/values [B, H, used, D] from the kept contiguous copy."""
+        kw, vw = plan.k[li], plan.v[li]  # [H, B, width, D]
+        if plan.table is not None:  # rebuild from the pool (this step's token is there)
+            flat = plan.table.view(-1)
+            torch.index_select(
+                k_cache, 1, flat, out=kw.view(k_cache.shape[0], -1, *k_cache.shape[2:])
+            )
+            torch.index_select(
+                v_cache, 1, flat, out=vw.view(v_cache.shape[0], -1, *v_cache.shape[2:])
+            )
+        else:  # one new token per row
+            assert batch.decode_rows is not None
+            kw[:, plan.rows, plan.new_pos] = k.index_select(0, batch.decode_rows).transpose(0, 1)
+            vw[:, plan.rows, plan.new_pos] = v.index_select(0, batch.decode_rows).transpose(0, 1)
+        used = plan.used
+        return kw[:, :, :used].transpose(0, 1), vw[:, :, :used].transpose(0, 1)
 
     def _attention(
         self,
@@ -297,6 +345,8 @@ class DecoderModel:
         batch: ForwardBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        plan: DecodePlan | None = None,
+        li: int = 0,
     ) -> torch.Tensor:
         hd = self.cfg.head_dim
         kvh = self.cfg.num_kv_heads
@@ -313,16 +363,21 @@ class DecoderModel:
             )
             out[rows] = o.transpose(1, 2).flatten(0, 1)
         if batch.decode_rows is not None:
-            assert batch.decode_pages is not None
-            b = batch.decode_pages.shape[0]
-            flat = batch.decode_pages.view(-1)
-            # index_select (about 2x faster than advanced indexing) gives [H, B*pages, P, D];
-            # viewed as [B, H, pages*P, D] without a second copy.
-            kk = k_cache.index_select(1, flat).view(kvh, b, -1, hd).transpose(0, 1)
-            vv = v_cache.index_select(1, flat).view(kvh, b, -1, hd).transpose(0, 1)
+            mask = batch.decode_mask
+            if plan is not None:
+                kk, vv = self._decode_kv(k, v, batch, k_cache, v_cache, plan, li)
+                mask = plan.mask
+            else:
+                assert batch.decode_pages is not None
+                b = batch.decode_pages.shape[0]
+                flat = batch.decode_pages.view(-1)
+                # index_select (about 2x faster than advanced indexing) gives
+                # [H, B*pages, P, D]; viewed as [B, H, pages*P, D] without a second copy.
+                kk = k_cache.index_select(1, flat).view(kvh, b, -1, hd).transpose(0, 1)
+                vv = v_cache.index_select(1, flat).view(kvh, b, -1, hd).transpose(0, 1)
             qq = q.index_select(0, batch.decode_rows)[:, :, None, :]
             o = F.scaled_dot_product_attention(
-                qq, kk, vv, attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True
+                qq, kk, vv, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
             if batch.all_decode:
                 return o[:, :, 0, :]

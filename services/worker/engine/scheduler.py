@@ -53,6 +53,7 @@ class SeqState:
     embeds: tuple[Any, ...] = ()  # EmbedSpan, sorted by start
     want_kv: bool = False
     penalty: Any = None  # PenaltyState when the request uses a penalty
+    uid: int = -1  # unique per request in this engine (keys the decode K/V copy)
 
     @property
     def num_output(self) -> int:
