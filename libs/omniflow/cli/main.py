@@ -8,8 +8,9 @@ import importlib
 import sys
 from pathlib import Path
 
+from omniflow.cli import certs as certs_cli
 from omniflow.cli import workflow as workflow_cli
-from omniflow.config import CommonSettings, settings_table
+from omniflow.config import CommonSettings, SecuritySettings, settings_table
 from omniflow.errors import OmniflowError
 from omniflow.logsetup import setup_logging
 
@@ -43,7 +44,8 @@ def service_settings(service: str) -> type[CommonSettings]:
 
 
 def _settings_table() -> str:
-    return settings_table(CommonSettings, *(service_settings(s) for s in SERVICE_SETTINGS))
+    services = (service_settings(s) for s in SERVICE_SETTINGS)
+    return settings_table(CommonSettings, SecuritySettings, *services)
 
 
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--write", type=Path, help="replace the table between the settings markers of FILE"
     )
     workflow_cli.add_subcommands(sub)
+    certs_cli.add_subcommand(sub)
     p_models = sub.add_parser(
         "models", help="model tools: pull NAME, list, convert-gguf FILE OUT, make-tiny"
     )
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(_settings_table())
             return 0
+        if args.command == "certs":
+            return certs_cli.run(args)
         if args.command == "models":
             from omniflow.models.cli import main as models_main
 

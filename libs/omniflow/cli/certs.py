@@ -1,0 +1,116 @@
+"""``omniflow certs``: a local CA, a certificate per service identity, and caller tokens.
+
+    omniflow certs --dir ~/.omniflow/pki \\
+        --identity worker/node-1/llm-a --identity kv-agent/node-1/agent-1 \\
+        --token acme:user --token ops:admin
+
+writes ``ca.pem``, ``<kind>.<node>.<instance>.pem/.key`` (keys 0600) and ``tokens.json``
+(0600; the servers' OMNIFLOW_TOKENS_FILE). See docs/security.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from omniflow.errors import InvalidArgument
+from omniflow.security.certs import IssuedCert, ensure_ca, issue
+from omniflow.security.identity import ROLES, Identity, write_tokens
+
+TOKENS_FILE = "tokens.json"
+
+
+@dataclass(frozen=True, slots=True)
+class Bundle:
+    """What :func:`make_bundle` wrote."""
+
+    folder: Path
+    ca: Path
+    certs: dict[str, IssuedCert]  # identity uri -> files
+    tokens_file: Path | None
+    tokens: dict[str, str]  # "tenant:roles" -> token
+
+    def env_for(self, identity: Identity) -> dict[str, str]:
+        """The security environment of a process holding ``identity``."""
+        issued = self.certs[identity.uri]
+        env = {
+            "OMNIFLOW_TLS": "on",
+            "OMNIFLOW_AUTH": "on",
+            "OMNIFLOW_TLS_CA": str(self.ca),
+            "OMNIFLOW_TLS_CERT": str(issued.cert),
+            "OMNIFLOW_TLS_KEY": str(issued.key),
+        }
+        if self.tokens_file is not None:
+            env["OMNIFLOW_TOKENS_FILE"] = str(self.tokens_file)
+        return env
+
+
+def parse_grant(text: str) -> tuple[str, list[str]]:
+    """``tenant:role[,role]`` → (tenant, roles)."""
+    tenant, _, roles_text = text.partition(":")
+    roles = [r for r in roles_text.split(",") if r] or ["user"]
+    if bad := [r for r in roles if r not in ROLES]:
+        raise InvalidArgument(f"--token {text!r}: roles {bad}; accepted: {', '.join(ROLES)}")
+    if not tenant and "admin" not in roles:
+        raise InvalidArgument(f"--token {text!r}: a non-admin token needs a tenant (tenant:role)")
+    return tenant, roles
+
+
+def make_bundle(
+    folder: Path,
+    identities: list[Identity],
+    grants: list[str] = (),  # type: ignore[assignment]
+    dns: tuple[str, ...] = (),
+) -> Bundle:
+    """CA (kept if present), one certificate per identity, and a fresh token per grant."""
+    ca, _ = ensure_ca(folder)
+    issued = {i.uri: issue(folder, i, dns) for i in identities}
+    tokens: dict[str, str] = {}
+    tokens_file: Path | None = None
+    if grants:
+        entries: list[dict[str, object]] = []
+        for grant in grants:
+            tenant, roles = parse_grant(grant)
+            token = secrets.token_urlsafe(32)
+            tokens[grant] = token
+            entries.append({"token": token, "tenant": tenant, "roles": roles})
+        tokens_file = folder / TOKENS_FILE
+        write_tokens(tokens_file, entries)
+    return Bundle(folder, ca, issued, tokens_file, tokens)
+
+
+def add_subcommand(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("certs", help="make a local CA, service certificates and caller tokens")
+    p.add_argument("--dir", type=Path, required=True, help="folder for the CA, certs and tokens")
+    p.add_argument(
+        "--identity",
+        action="append",
+        default=[],
+        help="kind/node/instance (kinds: worker, kv-agent, kv-index, router, coordinator, "
+        "gateway, client); repeat",
+    )
+    p.add_argument("--dns", action="append", default=[], help="extra host name in every cert")
+    p.add_argument(
+        "--token", action="append", default=[], help="tenant:role[,role] (roles: admin, user)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    identities = []
+    for text in args.identity:
+        parts = text.split("/")
+        if len(parts) != 3:
+            raise InvalidArgument(f"--identity {text!r}: expected kind/node/instance")
+        identities.append(Identity(*parts))
+    bundle = make_bundle(args.dir, identities, args.token, tuple(args.dns))
+    out = {
+        "ca": str(bundle.ca),
+        "certs": {u: {"cert": str(c.cert), "key": str(c.key)} for u, c in bundle.certs.items()},
+        "tokens_file": str(bundle.tokens_file) if bundle.tokens_file else None,
+        "tokens": bundle.tokens,
+    }
+    print(json.dumps(out, indent=1))
+    return 0
