@@ -7,6 +7,7 @@ file's bytes (WAV, FLAC, OGG, MP3, ... at any rate), as ``bytes_value``, a ``med
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -15,6 +16,7 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2
 from omniflow.errors import InvalidArgument
 from omniflow.kv.tensor_client import TensorClient
+from omniflow_services.worker import audio_metrics
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.mm.media import AUDIO, MediaInput
 
@@ -54,5 +56,7 @@ async def invoke_audio(
     enc = core.require_mm("encoder").encoder
     assert enc is not None
     data = await _audio_bytes(dict(request.inputs), tensors)
-    text = await enc.transcribe(MediaInput(AUDIO, data, "inputs.audio"))
-    return worker_pb2.InvokeResponse(outputs={"text": common_pb2.Value(text=text)})
+    started = time.perf_counter()
+    said = await enc.transcribe(MediaInput(AUDIO, data, "inputs.audio"))
+    audio_metrics.record_transcribe(started, said.audio_seconds)
+    return worker_pb2.InvokeResponse(outputs={"text": common_pb2.Value(text=said.text)})

@@ -26,6 +26,7 @@ from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime
 from omniflow.rpc.status import error_from_rpc
 from omniflow.workers import WORKER_SERVICE, worker_from_instance
+from omniflow_services.worker import audio_metrics
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.engine import GenerateRequest, SamplingParams
@@ -303,7 +304,8 @@ class MultimodalEdge:
         rate = talker.output_rate(request.sample_rate)
         talker.check_voice(request.voice)
         seed = request.seed if request.HasField("seed") else None
-        async for ch in talker.synthesize(request.text, seed, sample_rate=rate):
+        chunks = talker.synthesize(request.text, seed, sample_rate=rate)
+        async for ch in audio_metrics.timed_chunks(chunks):
             yield worker_pb2.SynthesizeResponse(
                 pcm_s16le=ch.pcm_s16le,
                 sample_rate=ch.sample_rate,

@@ -4,6 +4,7 @@ INVALID_ARGUMENT naming the field, and both go on serving."""
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -30,7 +31,22 @@ def _env(role: str, model: Path, models_dir: Path) -> dict[str, str]:
         "OMNIFLOW_NODE_ID": "audio-node",
         "OMNIFLOW_WORKER_TORCH_THREADS": "1",
         "OMP_NUM_THREADS": "1",
+        "OMNIFLOW_METRICS_PORT": "0",
     }
+
+
+def _metric(proc, name: str) -> float:
+    """The value of one unlabelled sample on ``proc``'s /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = proc.info["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                return s.value
+    raise AssertionError(f"{proc.name} exports no {name}")
 
 
 async def _transcribe(stub: worker_pb2_grpc.WorkerServiceStub, audio: common_pb2.Value) -> str:
@@ -114,6 +130,11 @@ async def test_transcribe_and_speak_through_workers(
         )
         assert (await _speak(t, "Still here."))[-1].wav
     assert enc.popen.poll() is None and tlk.popen.poll() is None
+    assert _metric(enc, "omniflow_worker_transcribe_seconds_count") == 3  # the good calls
+    assert 10.0 < _metric(enc, "omniflow_worker_transcribed_audio_seconds_total") < 30.0
+    assert _metric(tlk, "omniflow_worker_synthesize_first_chunk_seconds_count") == 3
+    assert _metric(tlk, "omniflow_worker_synthesize_seconds_count") == 3
+    assert _metric(tlk, "omniflow_worker_synthesized_audio_seconds_total") > 3.0
 
 
 async def test_a_workflow_speaks_and_hears_through_the_coordinator(

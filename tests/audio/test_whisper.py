@@ -144,8 +144,9 @@ def test_role_encodes_whisper_audio_once(ours: WhisperEncoder) -> None:
 async def test_role_transcribes_and_says_what_is_wrong(ours: WhisperEncoder) -> None:
     role = EncoderRole([ours])
     assert role.operations == ("transcribe",)
-    text = await role.transcribe(MediaInput(AUDIO, espeak("Good morning."), "inputs.audio"))
-    assert wer("good morning", text) <= 0.5, text
+    said = await role.transcribe(MediaInput(AUDIO, espeak("Good morning."), "inputs.audio"))
+    assert wer("good morning", said.text) <= 0.5, said
+    assert 0.5 < said.audio_seconds < 3.0
     with pytest.raises(InvalidArgument, match=r"inputs\.audio: not a decodable audio file"):
         await role.transcribe(MediaInput(AUDIO, b"\x00garbage" * 50, "inputs.audio"))
 

@@ -33,7 +33,7 @@ from omniflow_services.worker.mm.media import (
     log_mel,
 )
 from omniflow_services.worker.mm.nn import EncoderStack, Weights, read_config, sinusoid
-from omniflow_services.worker.mm.whisper import WHISPER_MODEL_TYPE, WhisperEncoder
+from omniflow_services.worker.mm.whisper import WHISPER_MODEL_TYPE, Transcript, WhisperEncoder
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class EncoderRole:
         """Operations beyond ``encode`` that the loaded encoders serve."""
         return ("transcribe",) if isinstance(self.encoders.get(AUDIO), WhisperEncoder) else ()
 
-    async def transcribe(self, item: MediaInput) -> str:
+    async def transcribe(self, item: MediaInput) -> Transcript:
         """Speech → text with the worker's Whisper model (FailedPrecondition without one)."""
         enc = self.encoders.get(AUDIO)
         if not isinstance(enc, WhisperEncoder):
@@ -245,4 +245,4 @@ class EncoderRole:
                 "e.g. omniflow models pull whisper-tiny.en); this one has "
                 f"{type(enc).__name__ if enc else 'no audio encoder'}"
             )
-        return await asyncio.to_thread(enc.transcribe, item)
+        return await asyncio.to_thread(enc.transcript, item)

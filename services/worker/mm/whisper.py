@@ -50,6 +50,14 @@ Linear = tuple[torch.Tensor, torch.Tensor | None]
 
 
 @dataclass(frozen=True, slots=True)
+class Transcript:
+    """What was said, and how long the audio lasted."""
+
+    text: str
+    audio_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class WhisperInput:
     """A decoded clip: features per 30 s window [windows, mels, 3000] and its length."""
 
@@ -303,10 +311,14 @@ class WhisperEncoder:
                 for states, _ in self._windows(inp)
             ]
 
-    def transcribe(self, item: MediaInput) -> str:
-        """The words spoken in ``item`` (any common audio file)."""
+    def transcript(self, item: MediaInput) -> Transcript:
+        """The words spoken in ``item`` (any common audio file) and its length."""
+        inp = self.preprocess(item)
         texts = [
             self.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            for ids in self.transcribe_ids(self.preprocess(item))
+            for ids in self.transcribe_ids(inp)
         ]
-        return " ".join(t for t in texts if t)
+        return Transcript(" ".join(t for t in texts if t), inp.num_samples / SAMPLE_RATE)
+
+    def transcribe(self, item: MediaInput) -> str:
+        return self.transcript(item).text
