@@ -124,9 +124,11 @@ def _spawn(folder: Path, name: str, module: str, env: dict[str, str]) -> Proc:
         "OMNIFLOW_INSTANCE_ID": name,
     }
     target = module if "." in module else f"omniflow_services.{module}"
+    # A worker may run from another virtualenv (the vLLM engine's: docs/vllm.md).
+    python = full_env.get("OMNIFLOW_WORKER_PYTHON", "") if module == "worker" else ""
     with open(log, "ab") as out:
         p = subprocess.Popen(
-            [sys.executable, "-m", target],
+            [os.path.expanduser(python) if python else sys.executable, "-m", target],
             env=full_env,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -160,9 +162,10 @@ def _plan(topology: Topology) -> list[tuple[str, str, dict[str, str]]]:
     plan: list[tuple[str, str, dict[str, str]]] = [
         ("kv-index", "kv_index", {}),
         ("kv-agent", "kv_agent", dict(topology.kv_agent_env)),
-        ("router", "router", {}),
-        ("coordinator", "coordinator", {}),
     ]
+    for service, count in (("router", topology.routers), ("coordinator", topology.coordinators)):
+        # The first keeps the plain name (``local_address("router")``); replicas are -2, -3...
+        plan += [(service if i == 0 else f"{service}-{i + 1}", service, {}) for i in range(count)]
     # Every worker is a torch process: each gets its share of this node's cores.
     torch_workers = str(sum(spec.count for spec in topology.workers) or 1)
     for spec in topology.workers:
