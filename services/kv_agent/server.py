@@ -28,6 +28,7 @@ from omniflow.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
@@ -219,6 +220,7 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
             raise InvalidArgument("source_address (the agent holding the pages) is required")
         if request.source_address == self.app.address:
             raise InvalidArgument("source_address is this agent; use LocatePages")
+        await self.app.check_source(request.source_address)
         res = await self.app.puller.pull(pool, ns, hashes, request.source_address, request.channel)
         return kvagent_pb2.PullPagesResponse(
             pulled=res.pulled, checksum_failures=res.checksum_failures, channel=res.channel,
@@ -490,6 +492,16 @@ class KVAgentApp(ServiceApp):
         for pool in self.pools.all():
             out += pool.store.entries()
         return out
+
+    async def check_source(self, address: str) -> None:
+        """Pull only from an agent in discovery, never from an address a caller made up."""
+        assert self.runtime is not None
+        agents = await self.runtime.registry.list("kv-agent")
+        if not any(a.address == address for a in agents):
+            raise PermissionDenied(
+                f"source_address {address!r} is not a kv-agent in discovery; pages are pulled "
+                "only from registered agents"
+            )
 
     async def _find_index(self) -> str:
         if self.settings.index_addr:

@@ -2,7 +2,10 @@
 
 Pages arrive as ``PageChunk`` pieces and are written straight into host slots reserved
 for them; a page is published only once complete and its xxh3_64 matches the checksum the
-sender gave. A page that fails is dropped and counted, never served.
+sender gave. A page that fails is dropped and counted, never served. The checksum stored
+is the one this agent computes over the bytes it holds, never the sender's; in a pull, each
+page must be the next hash of the chain asked for (a source cannot substitute content
+under another block hash).
 
 ``Puller`` fetches pages from a remote agent into this agent's host tier, over gRPC
 (``GetPages`` stream) or NIXL (READ of the remote arena slots, pinned with
@@ -49,9 +52,17 @@ class PageReceiver:
     """Assembles streamed pages of one namespace into reserved host slots."""
 
     def __init__(
-        self, pool: PagePool, namespace: bytes, max_chunk_bytes: int, counters: Counters
+        self,
+        pool: PagePool,
+        namespace: bytes,
+        max_chunk_bytes: int,
+        counters: Counters,
+        expected: list[bytes] | None = None,
     ) -> None:
         self.pool = pool
+        #: In a pull, the hashes asked for, in order: the only pages accepted.
+        self.expected = expected
+        self._pages = 0
         self.namespace = namespace
         self.max_chunk_bytes = max_chunk_bytes
         self.counters = counters
@@ -89,6 +100,16 @@ class PageReceiver:
                     f"page {chunk.block_hash.hex()} starts at offset {chunk.offset}; its first "
                     "chunk must be at 0"
                 )
+            if self.expected is not None:
+                if (
+                    self._pages >= len(self.expected)
+                    or chunk.block_hash != self.expected[self._pages]
+                ):
+                    raise InvalidArgument(
+                        f"page {chunk.block_hash.hex()} was not asked for at position "
+                        f"{self._pages} of the pull"
+                    )
+                self._pages += 1
             self._hash, self._off, self._checksum = chunk.block_hash, 0, chunk.checksum
             self._res = self.pool.store.reserve(self.namespace, chunk.block_hash)
             self._skip = self._res is None
@@ -259,7 +280,7 @@ class Puller:
     async def _pull_stream(
         self, pool: PagePool, namespace: bytes, hashes: list[bytes], address: str
     ) -> tuple[int, int, int]:
-        receiver = PageReceiver(pool, namespace, self.max_chunk_bytes, self.counters)
+        receiver = PageReceiver(pool, namespace, self.max_chunk_bytes, self.counters, hashes)
         request = kvagent_pb2.GetPagesRequest(
             namespace=namespace.hex(), block_hashes=hashes, chunk_bytes=self.chunk_bytes
         )

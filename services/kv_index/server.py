@@ -31,6 +31,7 @@ from omniflow.kv.wire import (
 )
 from omniflow.localredis import redact_url, redis_client
 from omniflow.rpc.server import Runtime, ServiceApp
+from omniflow.security.policy import require_owner
 from omniflow_services.kv_index import metrics
 from omniflow_services.kv_index.config import KVIndexSettings
 
@@ -45,6 +46,8 @@ _EVENT_KIND = {
     kvindex_pb2.BlockEvent.TYPE_STORED: EventKind.STORED,
     kvindex_pb2.BlockEvent.TYPE_REMOVED: EventKind.REMOVED,
 }
+
+
 def _bounded_hashes(count: int, limit: int, what: str) -> None:
     if count > limit:
         raise InvalidArgument(
@@ -119,6 +122,7 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
         kind = _KIND_FROM_PROTO.get(request.kind)
         if kind is None:
             raise InvalidArgument("kind must be OWNER_KIND_WORKER or OWNER_KIND_AGENT")
+        require_owner(request.owner_id, request.node)
         owner = OwnerInfo(request.owner_id, request.node, request.address, kind)
         limit = self.app.settings.max_owners
         if (await self.core.stats()).live_owners >= limit:
@@ -137,6 +141,7 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
     async def Heartbeat(
         self, request: kvindex_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> kvindex_pb2.HeartbeatResponse:
+        require_owner(request.owner_id)
         res = await self.core.heartbeat(request.owner_id, request.epoch)
         return kvindex_pb2.HeartbeatResponse(
             ok=res.status == LeaseStatus.OK,
@@ -148,6 +153,7 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
         self, request: kvindex_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
     ) -> kvindex_pb2.ReleaseLeaseResponse:
         # Only the holder of the current epoch may give the lease up.
+        require_owner(request.owner_id)
         res = await self.core.heartbeat(request.owner_id, request.epoch)
         if res.status == LeaseStatus.OK:
             await self.core.deregister_owner(request.owner_id)
@@ -161,6 +167,7 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
             self.app.settings.max_hashes,
             "PublishEvents",
         )
+        require_owner(request.owner_id)
         events = events_from_proto(list(request.events))
         res = await self.core.apply_events(request.owner_id, request.epoch, request.seq, events)
         metrics.BATCHES.labels("accepted" if res.ok else res.status.name.lower()).inc()
@@ -183,6 +190,7 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
         async for chunk in request_iterator:
             if header is None:
                 header = chunk
+                require_owner(header.owner_id)
             if not chunk.block_hashes:
                 continue
             ns = parse_namespace(chunk.namespace)

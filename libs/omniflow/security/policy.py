@@ -172,8 +172,9 @@ def reset_current(token: contextvars.Token[Principal]) -> None:
     _CALLER.reset(token)
 
 
-def require_owner(owner_id: str, what: str = "owner_id") -> None:
-    """Only the owner itself (its certificate's instance id) or an admin acts as ``owner_id``."""
+def require_owner(owner_id: str, node: str | None = None, what: str = "owner_id") -> None:
+    """Only the owner itself (its certificate's instance id, on its certificate's node) or
+    an admin acts as ``owner_id``: nobody takes over another owner's lease or entries."""
     who = current()
     if who.is_admin:
         return
@@ -181,6 +182,8 @@ def require_owner(owner_id: str, what: str = "owner_id") -> None:
         raise PermissionDenied(
             f"{what} {owner_id!r} is not the caller's own identity ({who.describe()})"
         )
+    if node is not None and node != who.identity.node:
+        raise PermissionDenied(f"node {node!r} is not the caller's node ({who.describe()})")
 
 
 def caller_tenant() -> str:
