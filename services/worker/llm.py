@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,8 @@ class LLMRole:
         return block_hashes(layout.namespace, ids, layout.page_size)
 
     def request_id(self, given: str) -> str:
-        return given or f"gen-{next(self._ids)}"
+        # Unguessable: anyone who can call Abort must not be able to name others' requests.
+        return given or f"gen-{secrets.token_hex(16)}"
 
     def generate(
         self, request_id: str, ids: list[int], params: SamplingParams
