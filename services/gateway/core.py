@@ -14,7 +14,7 @@ import binascii
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -248,7 +248,7 @@ class GatewayCore:
     async def _pick(self, prep: Prepared, exclude: tuple[str, ...]) -> Picked:
         n_ids = len(prep.token_ids) if prep.token_ids is not None else 0
         strategy = self.settings.llm_strategy
-        return await self.backends.pick(
+        pick = self.backends.pick(
             "llm",
             "generate",
             strategy=strategy if prep.token_ids is not None else "",
@@ -257,6 +257,7 @@ class GatewayCore:
             prompt_tokens=n_ids,
             exclude=exclude,
         )
+        return await _served(prep.model, pick)
 
     def _report(self, picked: Picked, started: float, ok: bool, code: str = "") -> None:
         self.backends.report(picked.worker_id, ok, (time.perf_counter() - started) * 1e3, code)
@@ -309,7 +310,9 @@ class GatewayCore:
     ) -> bytes:
         workers = await self.workers_for(model, "diffusion")
         exclude = await self._exclude("diffusion", workers)
-        picked = await self.backends.pick("diffusion", "generate_image", exclude=exclude)
+        picked = await _served(
+            model, self.backends.pick("diffusion", "generate_image", exclude=exclude)
+        )
         started = time.perf_counter()
         try:
             png = await self.backends.generate_image(
@@ -324,7 +327,7 @@ class GatewayCore:
     async def speech(self, model: str, text: str, voice: str) -> bytes:
         workers = await self.workers_for(model, "talker")
         exclude = await self._exclude("talker", workers)
-        picked = await self.backends.pick("talker", "synthesize", exclude=exclude)
+        picked = await _served(model, self.backends.pick("talker", "synthesize", exclude=exclude))
         started = time.perf_counter()
         try:
             wav = await self.backends.synthesize(picked.address, new_id("tts"), text, voice)
@@ -380,6 +383,15 @@ class GatewayCore:
             async for chunk in stream:
                 if chunk.outputs is not None or (chunk.node == node and chunk.output == "text"):
                     yield chunk
+
+
+async def _served(model: str, pick: Awaitable[Picked]) -> Picked:
+    """A pick for a model the catalog knows: the router finding no live worker for it is
+    a 503 (no worker now), not a 404 (no such model)."""
+    try:
+        return await pick
+    except NotFound as exc:
+        raise Unavailable(f"no live worker serves model {model!r} right now ({exc})") from None
 
 
 async def _off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:

@@ -27,6 +27,8 @@ class Topology:
     gateway_url: str  # http://127.0.0.1:PORT
     procs: dict[str, ServiceProc]
     model_dir: Path
+    redis_url: str
+    tmp: Path
     model: str = MODEL
     api_key: str = API_KEY
 
@@ -148,7 +150,7 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
             OMNIFLOW_MODELS_DIR=str(models),
         ).wait_ready()
         procs = {p.name: p for p in started}
-        yield Topology(gateway.info["url"], procs, model_dir)
+        yield Topology(gateway.info["url"], procs, model_dir, redis.url, tmp)
     finally:
         for proc in reversed(started):
             if proc.popen.poll() is None:
