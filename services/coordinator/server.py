@@ -14,6 +14,7 @@ from omniflow.errors import InvalidArgument, Unavailable
 from omniflow.localredis import redact_url, redis_client
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import error_from_rpc
+from omniflow.security.tenancy import Tenancy
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
 from omniflow_services.coordinator.caller import GrpcWorkerCaller
 from omniflow_services.coordinator.config import CoordinatorSettings
@@ -26,7 +27,6 @@ from omniflow_services.coordinator.runs import RunManager
 log = logging.getLogger(__name__)
 
 
-
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(self, app: CoordinatorApp) -> None:
         self.app = app
@@ -36,6 +36,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> coordinator_pb2.RegisterWorkflowResponse:
         if not request.HasField("graph"):
             raise InvalidArgument("graph is required")
+        await self.app.tenancy().claim_workflow(request.graph.name)
         version = await self.app.catalogue().register(request.graph)
         log.info("registered workflow %s v%d", request.graph.name, version)
         return coordinator_pb2.RegisterWorkflowResponse(name=request.graph.name, version=version)
@@ -43,14 +44,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def GetWorkflow(
         self, request: coordinator_pb2.GetWorkflowRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.GetWorkflowResponse:
+        await self.app.tenancy().check_workflow(request.name)
         graph = await self.app.catalogue().get(request.name, request.version)
         return coordinator_pb2.GetWorkflowResponse(graph=graph)
 
     async def SubmitRun(
         self, request: coordinator_pb2.SubmitRunRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.SubmitRunResponse:
+        run_id = await self._claim(request)
         run_id = await self.app.runs().submit(
-            request.workflow, request.version, request.inputs, request.deadline_ms, request.run_id
+            request.workflow, request.version, request.inputs, request.deadline_ms, run_id
         )
         return coordinator_pb2.SubmitRunResponse(run_id=run_id)
 
@@ -58,8 +61,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: coordinator_pb2.SubmitRunRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.RunEvent]:
         runs = self.app.runs()
+        run_id = await self._claim(request)
         run_id = await runs.submit(
-            request.workflow, request.version, request.inputs, request.deadline_ms, request.run_id
+            request.workflow, request.version, request.inputs, request.deadline_ms, run_id
         )
         async for event in runs.events(run_id):
             yield event
@@ -67,24 +71,35 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def StreamRunEvents(
         self, request: coordinator_pb2.StreamRunEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.RunEvent]:
+        await self.app.tenancy().check_run(request.run_id)
         async for event in self.app.runs().events(request.run_id, request.from_seq):
             yield event
 
     async def GetRun(
         self, request: coordinator_pb2.GetRunRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.GetRunResponse:
+        await self.app.tenancy().check_run(request.run_id)
         return coordinator_pb2.GetRunResponse(run=await self.app.runs().get(request.run_id))
 
     async def CancelRun(
         self, request: coordinator_pb2.CancelRunRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.CancelRunResponse:
+        await self.app.tenancy().check_run(request.run_id)
         state = await self.app.runs().cancel(request.run_id, request.reason)
         return coordinator_pb2.CancelRunResponse(state=state)  # type: ignore[arg-type]
+
+    async def _claim(self, request: coordinator_pb2.SubmitRunRequest) -> str:
+        """The run's id, owned by the caller's tenant (auth on); its workflow visible to it."""
+        tenancy = self.app.tenancy()
+        await tenancy.check_workflow(request.workflow)
+        return await tenancy.claim_run(request.run_id)
 
     async def ListWorkflows(
         self, request: coordinator_pb2.ListWorkflowsRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.ListWorkflowsResponse:
         found = await self.app.catalogue().list()
+        seen = await self.app.tenancy().visible(w.name for w in found)
+        found = [w for w in found if w.name in seen]
         return coordinator_pb2.ListWorkflowsResponse(
             workflows=[
                 coordinator_pb2.WorkflowSummary(
@@ -122,6 +137,11 @@ class CoordinatorApp(ServiceApp):
         self._routers: RouterPool | None = None
         self._runs: RunManager | None = None
         self._caller: GrpcWorkerCaller | None = None
+
+    def tenancy(self) -> Tenancy:
+        if self._redis is None:
+            raise Unavailable("coordinator is starting")
+        return Tenancy(self._redis)
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(

@@ -147,6 +147,8 @@ class TokenTable:
             roles = frozenset(entry.get("roles", ["user"]))
             if len(token) < 16:
                 raise InvalidArgument(f"{path}: tokens[{i}].token must be at least 16 characters")
+            if not tenant and "admin" not in roles:
+                raise InvalidArgument(f"{path}: tokens[{i}].tenant is required (not an admin)")
             if bad := roles - set(ROLES):
                 raise InvalidArgument(
                     f"{path}: tokens[{i}].roles {sorted(bad)}; accepted: {', '.join(ROLES)}"
