@@ -10,21 +10,19 @@ from pathlib import Path
 import pytest
 from vllm_cluster import VLLMCluster, model_folder, vllm_ready
 
-from omniflow.localredis import LocalRedisError, RedisProcess, find_redis_server, start_redis
+from omniflow.localredis import RedisProcess, start_redis
 
 
 @pytest.fixture(scope="module")
-def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, RedisProcess]]:
+def vllm_env(
+    tmp_path_factory: pytest.TempPathFactory, redis_binary: Path
+) -> Iterator[tuple[Path, RedisProcess]]:
     why = vllm_ready()
     if why:
         pytest.skip(why)
-    try:
-        binary = find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
     tmp = tmp_path_factory.mktemp("vllm")
     model = model_folder(tmp)
-    redis = start_redis(dir=tmp / "redis", binary=binary)
+    redis = start_redis(dir=tmp / "redis", binary=redis_binary)
     try:
         yield model, redis
     finally:

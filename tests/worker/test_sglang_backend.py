@@ -29,7 +29,7 @@ import torch
 from omniflow.config import load_settings
 from omniflow.errors import FailedPrecondition, InvalidArgument
 from omniflow.kv.blocks import KVLayout, block_hashes
-from omniflow.localredis import LocalRedisError, find_redis_server, start_redis
+from omniflow.localredis import start_redis
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.engine import SamplingParams
@@ -401,14 +401,10 @@ def _require_agent_edge(address: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def data_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DataPlane]:
+def data_plane(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> Iterator[DataPlane]:
     """A real kv-index and kv-agent (separate processes) on a Redis of their own."""
-    try:
-        binary = find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
     tmp = tmp_path_factory.mktemp("sglang-dp")
-    redis = start_redis(dir=tmp / "redis", binary=binary)
+    redis = start_redis(dir=tmp / "redis", binary=redis_binary)
     tag = uuid.uuid4().hex[:8]
     procs: list[subprocess.Popen] = []
     try:
