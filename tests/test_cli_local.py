@@ -35,6 +35,7 @@ def test_up_status_down_leaves_no_process(tmp_path: Path) -> None:
         **os.environ,
         "OMNIFLOW_RUN_DIR": str(run_dir),
         "OMNIFLOW_MODELS_DIR": str(tmp_path / "models"),
+        "OMNIFLOW_GATEWAY_PORT": "0",  # not the fixed default: tests may run side by side
     }
     env.pop("OMNIFLOW_REDIS_URL", None)  # up must start its own Redis
     topology = tmp_path / "topology.yaml"
@@ -49,7 +50,7 @@ def test_up_status_down_leaves_no_process(tmp_path: Path) -> None:
         pids = [p["pid"] for p in state["procs"]]
         names = [p["name"] for p in state["procs"]]
         assert names == [
-            "redis", "kv-index", "kv-agent", "router", "coordinator", "llm-1", "llm-2"
+            "redis", "kv-index", "kv-agent", "router", "coordinator", "llm-1", "llm-2", "gateway"
         ]  # fmt: skip
         for name in names[1:]:
             line = next(x for x in up.stdout.splitlines() if x.startswith(name + " "))
@@ -60,7 +61,7 @@ def test_up_status_down_leaves_no_process(tmp_path: Path) -> None:
 
         status = _run(["status"], env)
         assert status.returncode == 0, status.stdout
-        assert status.stdout.count("SERVING") == 6
+        assert status.stdout.count("SERVING") == 7
 
         again = _run(["up", "--topology", str(topology)], env)
         assert again.returncode == 1

@@ -29,6 +29,7 @@ def test_examples_on_the_local_topology(tmp_path: Path) -> None:
         **os.environ,
         "OMNIFLOW_RUN_DIR": str(tmp_path / "run"),
         "OMNIFLOW_MODELS_DIR": str(tmp_path / "models"),
+        "OMNIFLOW_GATEWAY_PORT": "0",  # not the fixed default: tests may run side by side
     }
     env.pop("OMNIFLOW_REDIS_URL", None)
     env.pop("OMNIFLOW_COORDINATOR_ADDR", None)  # found through the run folder
