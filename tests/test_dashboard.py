@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 # The resolved compose file (`docker compose config`) of test_compose.py, reused as is.
-from test_compose import _ours, compose_cmd, config  # noqa: F401
+from test_compose import _ours, _package, compose_cmd, config  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = ROOT / "compose" / "prometheus.yml"
@@ -81,6 +81,8 @@ def test_dashboard_shows_the_series_serving_engineers_expect() -> None:
         "omniflow_kv_index_events_total",
         "omniflow_coordinator_runs_total",
         "omniflow_coordinator_node_seconds_bucket",
+        "omniflow_gateway_time_to_first_token_seconds_bucket",
+        "omniflow_gateway_requests_total",
     ):
         assert re.search(rf"\b{name}\b", text), f"no panel queries {name}"
 
@@ -100,6 +102,14 @@ def test_prometheus_scrapes_every_service(config: dict[str, Any]) -> None:  # no
     assert address and address[0]["source_labels"] == ["__meta_consul_service_metadata_metrics"]
     server = (ROOT / "libs" / "omniflow" / "rpc" / "server.py").read_text()
     assert 'meta["metrics"] = ' in server, "services no longer register their metrics address"
+    # The gateway, not in discovery, is scraped on its HTTP port (it serves /metrics there).
+    (gw,) = [j for j in scrape if j["job_name"] == "gateway"]
+    (target,) = [t for c in gw["static_configs"] for t in c["targets"]]
+    host, _, port = target.rpartition(":")
+    assert _package(services[host]) == "gateway" and gw["metrics_path"] == "/metrics"
+    assert services[host]["environment"]["OMNIFLOW_GATEWAY_PORT"] == port
+    app = (ROOT / "services" / "gateway" / "app.py").read_text()
+    assert '@app.get("/metrics")' in app, "the gateway no longer serves /metrics"
     # ...which every service writes when its metrics port is on.
     for name, svc in _ours(config).items():
         if svc["command"][0] == "omniflow":  # the one-shot models job
