@@ -538,6 +538,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-omniflow", action="store_true", help="vLLM only")
     ap.add_argument("--models-dir", type=Path, default=Path("~/.cache/omniflow/models"))
     args = ap.parse_args()
 
@@ -552,15 +553,16 @@ def main() -> int:
     procs = Procs(tmp)
     redis = None
     try:
-        print(f"Omni-Flow gateway ({folder}, bfloat16, {args.threads} threads) ...", flush=True)
-        of, redis = start_omniflow(procs, folder, args.threads)
-        ours = asyncio.run(workloads(of.url, args))
-        over = asyncio.run(overhead(start_echo(procs, of), folder, args.overhead_samples))
-        print(f"  overhead: {over}", flush=True)
-        loads.append(f"after omni-flow {load_avg()}")
-        procs.stop()
-        redis.stop()  # type: ignore[attr-defined]
-        redis = None
+        if not args.skip_omniflow:
+            print(f"Omni-Flow gateway ({folder}, bfloat16, {args.threads} threads) ...")
+            of, redis = start_omniflow(procs, folder, args.threads)
+            ours = asyncio.run(workloads(of.url, args))
+            over = asyncio.run(overhead(start_echo(procs, of), folder, args.overhead_samples))
+            print(f"  overhead: {over}", flush=True)
+            loads.append(f"after omni-flow {load_avg()}")
+            procs.stop()
+            redis.stop()  # type: ignore[attr-defined]
+            redis = None
         if not args.skip_vllm:
             if not args.vllm_python.exists():
                 print(f"no vLLM at {args.vllm_python}: skipped (scripts/setup_vllm_venv.sh)")
