@@ -166,11 +166,10 @@ def test_any_transformers_whisper_folder_loads(hf, tmp_path: Path) -> None:
         role.encode_sync([MediaInput(AUDIO, espeak("Hello."), "items[0]")])
 
 
-def test_transcribe_needs_whisper() -> None:
+def test_transcribe_needs_whisper(tmp_path: Path) -> None:
     from omniflow.models.resolve import resolve_model
 
-    pytest.importorskip("safetensors")
-    tiny = load_encoder(resolve_model("tiny:audio-encoder", Path("/tmp/omniflow-h5-tiny")))
+    tiny = load_encoder(resolve_model("tiny:audio-encoder", tmp_path))
     role = EncoderRole([tiny])
     assert role.operations == ()
     with pytest.raises(FailedPrecondition, match="transcribe needs a Whisper audio encoder"):
