@@ -9,6 +9,11 @@ driving ``LLM.generate`` with the same token ids; the engine and transformers ru
     python bench/engine_vs_vllm.py                             # 1, 8, 32 x bf16, fp32
     python bench/engine_vs_vllm.py --concurrency 1,8 --dtypes bfloat16 --repeat 2
     python bench/engine_vs_vllm.py --busy 1                    # a second process spins a core
+    python bench/engine_vs_vllm.py --baseline cdd3cb8          # also the engine as of a commit
+
+``--baseline REF`` runs the engine package as it was at git ``REF`` (exported into a temporary
+folder that shadows the installed one) in a subprocess, on the same prompts: before/after
+in the same run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +62,84 @@ for lvl in job["levels"]:
     res[str(lvl)] = {"tok_s": best, "first": toks[0]}
 print("RESULT " + json.dumps(res), flush=True)
 """
+
+
+# Runs the engine of an exported older tree: argv[1] is a JSON job; prints one JSON line.
+BASELINE_SCRIPT = r"""
+import json, sys, time, torch
+job = json.loads(sys.argv[1])
+torch.set_num_threads(job["threads"])
+from omniflow_services.worker.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
+import omniflow_services.worker.engine as mod
+assert mod.__file__.startswith(job["root"]), mod.__file__
+res = {}
+lv = job["levels"]
+per_req = -(-(job["prompt_len"] + job["output_len"]) // 16)
+cfg = EngineConfig(dtype=job["dtype"], num_pages=per_req * max(lv) + 8,
+                   max_num_batched_tokens=job["budget"], max_num_seqs=max(64, max(lv)),
+                   enable_prefix_cache=False)
+e = Engine(job["model"], cfg)
+def go(prompts, n):
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    for i, p in enumerate(prompts):
+        e.add_request(GenerateRequest(f"r{i}", tuple(p), params=sp))
+    got = 0
+    while e.has_unfinished():
+        got += sum(len(o.new_token_ids) for o in e.step())
+    assert got == n * len(prompts)
+    return got / (time.perf_counter() - t)
+go([job["prompts"][str(lv[0])][0][:32]], 2)
+for n in lv:
+    res[str(n)] = max(go(job["prompts"][str(n)], job["output_len"]) for _ in range(job["repeat"]))
+print("RESULT " + json.dumps(res), flush=True)
+"""
+
+
+def run_baseline(
+    args: argparse.Namespace, dtype: str, prompts: dict[int, list[list[int]]]
+) -> dict[str, float]:
+    """The engine as of git ``args.baseline``, in a subprocess, on the same prompts."""
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="omniflow-baseline-") as tmp:
+        root = Path(tmp)
+        tree = subprocess.run(
+            ["git", "-C", str(repo), "archive", args.baseline, "services/worker/engine"],
+            capture_output=True,
+            check=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(root)], input=tree, check=True)
+        # services/ is the omniflow_services package; shadow only the engine subpackage.
+        pkg = root / "omniflow_services"
+        (pkg / "worker").mkdir(parents=True)
+        (root / "services/worker/engine").rename(pkg / "worker/engine")
+        for init in (pkg / "__init__.py", pkg / "worker/__init__.py"):
+            init.write_text("")
+        job = {
+            "model": str(args.model),
+            "dtype": dtype,
+            "levels": list(prompts),
+            "prompts": {str(k): v for k, v in prompts.items()},
+            "output_len": args.output_len,
+            "prompt_len": args.prompt_len,
+            "repeat": args.repeat,
+            "budget": args.token_budget,
+            "threads": args.threads,
+            "root": str(pkg),
+        }
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        proc = subprocess.run(
+            [sys.executable, "-c", BASELINE_SCRIPT, json.dumps(job)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.vllm_timeout,
+        )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    sys.stderr.write(proc.stderr[-4000:])
+    raise RuntimeError(f"baseline run failed (exit {proc.returncode}); its stderr is above")
 
 
 def prompts_for(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -147,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--busy", type=int, default=0, help="processes spinning a core meanwhile")
+    ap.add_argument("--baseline", default="", help="also run the engine as of this git ref")
     args = ap.parse_args(argv)
     if not (args.model / "config.json").is_file():
         print(f"no model at {args.model}: run `omniflow models pull smollm2-135m-instruct`")
@@ -171,9 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.threads} torch threads, busy processes {args.busy}, "
         f"load average before {load0[0]:.2f} after {load1[0]:.2f}"
     )
+    base = f" | {'baseline':>8} | {'base/vLLM':>9}" if args.baseline else ""
     head = (
         f"{'dtype':>8} | {'concurrent':>10} | {'vLLM tok/s':>10} | {'Omni-Flow':>10} | "
-        f"{'transformers':>12} | {'Omni/vLLM':>9} | {'same tokens':>11}"
+        f"{'transformers':>12} | {'Omni/vLLM':>9} | {'same tokens':>11}{base}"
     )
     print(head)
     print("-" * len(head))
@@ -182,10 +268,17 @@ def main(argv: list[str] | None = None) -> int:
         h = f"{r['hf']:12.1f}" if r["hf"] else f"{'-':>12}"
         ratio = f"{r['ours'] / r['vllm']:8.2f}x" if r["vllm"] else f"{'-':>9}"
         same = "-" if r["same"] is None else ("yes" if r["same"] else "no")
+        extra = ""
+        if args.baseline:
+            b = r["base"]
+            br = f"{b / r['vllm']:8.2f}x" if r["vllm"] else f"{'-':>9}"
+            extra = f" | {b:8.1f} | {br}"
         print(
             f"{r['dtype']:>8} | {r['n']:>10} | {v} | {r['ours']:10.1f} | {h} | {ratio} | "
-            f"{same:>11}"
+            f"{same:>11}{extra}"
         )
+    if args.baseline:
+        print(f"baseline: the engine as of {args.baseline}")
     return 0
 
 
@@ -193,6 +286,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str, levels: list[int]) -> list
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     prompts = {n: prompts_for(n, args.prompt_len, vocab) for n in levels}
     vllm = {} if args.skip_vllm else run_vllm(args, dtype, prompts)
+    base = run_baseline(args, dtype, prompts) if args.baseline else {}
     per_req = -(-(args.prompt_len + args.output_len) // 16)
     cfg = EngineConfig(
         dtype=dtype,
@@ -207,7 +301,9 @@ def bench_dtype(args: argparse.Namespace, dtype: str, levels: list[int]) -> list
     if not args.skip_hf:
         import transformers
 
-        hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=getattr(torch, dtype)
+        )
         hf = hf.eval()
         hf.generation_config.eos_token_id = None
         run_hf(hf, [prompts[levels[0]][0][:32]], 2)
@@ -227,6 +323,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str, levels: list[int]) -> list
                 "hf": ref,
                 "vllm": v["tok_s"] if v else 0.0,
                 "same": (v["first"] == first) if v else None,
+                "base": base.get(str(n), 0.0),
             }
         )
         print(f"{dtype} {n}: ours {best:.1f} hf {ref:.1f} vllm {rows[-1]['vllm']:.1f}", flush=True)
