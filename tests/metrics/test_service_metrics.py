@@ -174,7 +174,10 @@ async def test_every_service_exports_its_series_after_a_run(
         await _held_by_agent(index.address, namespace, hashes)
         pulled = await _pull(agents["b"].address, agents["a"].address, namespace, hashes)
         assert pulled == len(hashes)
-        await asyncio.sleep(1.5)  # the index refreshes its size gauges every second
+        for _ in range(150):  # the index refreshes its size gauges every second
+            if value(scrape(index), "omniflow_kv_index_owners") >= 3:
+                break
+            await asyncio.sleep(0.1)
 
         w = scrape(worker)
         assert value(w, "omniflow_worker_time_to_first_token_seconds_count") >= 2
