@@ -20,14 +20,14 @@ from omniflow.security.identity import SERVICE_KINDS, UNCHECKED, Identity, Princ
 class Rule:
     """Who may call one method.
 
-    ``kinds``: service identities allowed (any token or none). ``roles``: token roles
-    allowed (from any certificate). ``node_local``: service kinds only from the server's
-    node. ``anyone``: any authenticated peer (health checks).
+    ``kinds``: service identities allowed (any token or none). ``local_kinds``: service
+    identities allowed only from the server's own node. ``roles``: token roles allowed
+    (from any certificate). ``anyone``: any authenticated peer (health checks).
     """
 
     kinds: frozenset[str] = frozenset()
     roles: frozenset[str] = frozenset()
-    node_local: bool = False
+    local_kinds: frozenset[str] = frozenset()
     anyone: bool = False
 
     def allows(self, who: Principal, own: Identity | None) -> bool:
@@ -36,17 +36,17 @@ class Rule:
         if who.roles & self.roles:
             return True
         ident = who.identity
-        if ident is None or ident.kind not in self.kinds:
+        if ident is None:
             return False
-        if self.node_local:
-            return own is not None and ident.node == own.node
-        return True
+        if ident.kind in self.kinds:
+            return True
+        return ident.kind in self.local_kinds and own is not None and ident.node == own.node
 
 
 def _rule(
-    kinds: tuple[str, ...] = (), roles: tuple[str, ...] = ("admin",), *, node_local: bool = False
+    kinds: tuple[str, ...] = (), roles: tuple[str, ...] = ("admin",), local: tuple[str, ...] = ()
 ) -> Rule:
-    return Rule(frozenset(kinds), frozenset(roles), node_local)
+    return Rule(frozenset(kinds), frozenset(roles), frozenset(local))
 
 
 ANYONE = Rule(anyone=True)
@@ -56,8 +56,10 @@ CALLERS = _rule(SERVICE_KINDS, ("admin", "user"))
 SERVICES = _rule(SERVICE_KINDS)
 #: Index owners; the handler also checks that the owner id is the caller's own.
 OWNERS = _rule(("worker", "kv-agent"), ("admin",))
-NODE_WORKERS = _rule(("worker",), ("admin",), node_local=True)
-PAGE_READERS = _rule(("worker", "kv-agent"), ("admin",))
+#: A kv-agent's pages belong to its node's workers.
+NODE_WORKERS = _rule(local=("worker",))
+#: Pages leave a node only agent to agent (pulls).
+PAGE_READERS = _rule(("kv-agent",), local=("worker",))
 
 _KVINDEX = "omniflow.api.kvindex.v1.KVIndexService"
 _KVAGENT = "omniflow.api.kvagent.v1.KVAgentService"

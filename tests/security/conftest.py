@@ -1,0 +1,174 @@
+"""A secured topology (mutual TLS and auth ON) of real processes, shared by the module.
+
+Redis with a password; kv-index; kv-agents on node-1 and node-2; a tiny-model llm
+worker and an echo TEST worker on node-1; a router; a coordinator. Every process has a
+certificate of its own identity from one local CA (``omniflow certs``' code). The test
+process holds further identities to act as callers: a plain client (with tenant tokens),
+a worker of node-1, a worker of node-2, and a coordinator.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from procs import ServiceProc
+
+from omniflow.cli.certs import Bundle, make_bundle
+from omniflow.config import SecuritySettings
+from omniflow.localredis import RedisProcess, start_redis
+from omniflow.rpc.client import open_channel
+from omniflow.rpc.interceptors import TracedChannel
+from omniflow.security.identity import Identity
+from omniflow.security.transport import Security
+
+NODE1, NODE2 = "node-1", "node-2"
+
+SERVICES = {
+    "kv-index": Identity("kv-index", NODE1, "kv-index"),
+    "agent-1": Identity("kv-agent", NODE1, "agent-1"),
+    "agent-2": Identity("kv-agent", NODE2, "agent-2"),
+    "llm-1": Identity("worker", NODE1, "llm-1"),
+    "echo-1": Identity("worker", NODE1, "echo-1"),
+    "router": Identity("router", NODE1, "router"),
+    "coordinator": Identity("coordinator", NODE1, "coordinator"),
+}
+CALLERS = {
+    "client": Identity("client", "laptop", "cli"),
+    "worker1": Identity("worker", NODE1, "w-test"),
+    "worker2": Identity("worker", NODE2, "w-test2"),
+    "coord": Identity("coordinator", NODE1, "coord-test"),
+}
+GRANTS = {"a": "tenant-a:user", "b": "tenant-b:user", "admin": ":admin"}
+
+
+@dataclass
+class Secured:
+    bundle: Bundle
+    redis: RedisProcess
+    procs: dict[str, ServiceProc]
+    tokens: dict[str, str]  # "a", "b", "admin" -> token
+
+    def addr(self, name: str) -> str:
+        return self.procs[name].address
+
+    def security(self, caller: str, token: str | None = None) -> Security:
+        """Client-side security of a test identity, presenting tenant token ``token``."""
+        issued = self.bundle.certs[CALLERS[caller].uri]
+        return Security.load(
+            SecuritySettings(
+                tls="on",
+                tls_ca=str(self.bundle.ca),
+                tls_cert=str(issued.cert),
+                tls_key=str(issued.key),
+                token=self.tokens[token] if token else "",
+            )
+        )
+
+    def channel(self, name: str, caller: str = "client", token: str | None = None) -> TracedChannel:
+        return open_channel(self.addr(name), security=self.security(caller, token))
+
+
+def _start(
+    module: str, name: str, folder: Path, bundle: Bundle, redis: RedisProcess, **env: str
+) -> ServiceProc:
+    ident = SERVICES[name]
+    ready, log = folder / f"{name}.ready.json", folder / f"{name}.log"
+    full = {
+        **os.environ,
+        **bundle.env_for(ident),
+        "OMP_NUM_THREADS": "1",
+        "OMNIFLOW_REDIS_URL": redis.url,
+        "OMNIFLOW_DISCOVERY": "redis",
+        "OMNIFLOW_PORT": "0",
+        "OMNIFLOW_METRICS_PORT": "-1",
+        "OMNIFLOW_READY_FILE": str(ready),
+        "OMNIFLOW_INSTANCE_ID": ident.instance,
+        "OMNIFLOW_NODE_ID": ident.node,
+        **env,
+    }
+    full.pop("OMNIFLOW_TOKEN", None)
+    with open(log, "wb") as out:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=full,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    return ServiceProc(name, popen, ready, log)
+
+
+def _stop(procs: list[ServiceProc]) -> None:
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    pytest.importorskip("torch", reason="the llm worker of the secured topology needs torch")
+    folder = tmp_path_factory.mktemp("secured")
+    identities = [*SERVICES.values(), *CALLERS.values()]
+    bundle = make_bundle(folder / "pki", identities, list(GRANTS.values()))
+    tokens = {k: bundle.tokens[g] for k, g in GRANTS.items()}
+    redis = start_redis(dir=folder / "redis", password=secrets.token_hex(16))
+    started: list[ServiceProc] = []
+    tag = f"h9sec{os.getpid()}"
+
+    def start(module: str, name: str, **env: str) -> ServiceProc:
+        proc = _start(module, name, folder, bundle, redis, **env)
+        started.append(proc)
+        return proc
+
+    try:
+        procs = {"kv-index": start("omniflow_services.kv_index", "kv-index").wait_ready(60)}
+        for name in ("agent-1", "agent-2"):
+            procs[name] = start(
+                "omniflow_services.kv_agent",
+                name,
+                OMNIFLOW_KV_HOST_BYTES=str(4 * 1024 * 1024),
+                OMNIFLOW_KV_SHM_TAG=f"{tag}{name}",
+            )
+        for name in ("agent-1", "agent-2"):
+            procs[name].wait_ready(60)
+        procs["llm-1"] = start(
+            "omniflow_services.worker",
+            "llm-1",
+            OMNIFLOW_WORKER_ROLE="llm",
+            OMNIFLOW_WORKER_MODEL="tiny:llama",
+            OMNIFLOW_MODELS_DIR=str(folder / "models"),
+            OMNIFLOW_WORKER_KV_BYTES=str(4 * 1024 * 1024),
+            OMNIFLOW_WORKER_TORCH_THREADS="1",
+            OMNIFLOW_KV_AGENT_ADDR=procs["agent-1"].address,
+        )
+        procs["echo-1"] = start(
+            "omniflow.testing.echo_worker", "echo-1", OMNIFLOW_WORKER_ROLE="echo"
+        )
+        for name in ("llm-1", "echo-1"):
+            procs[name].wait_ready(180)
+        procs["router"] = start(
+            "omniflow_services.router", "router", OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.5"
+        ).wait_ready(60)
+        procs["coordinator"] = start(
+            "omniflow_services.coordinator",
+            "coordinator",
+            OMNIFLOW_ROUTER_ADDR=procs["router"].address,
+        ).wait_ready(60)
+        yield Secured(bundle, redis, procs, tokens)
+    finally:
+        _stop(started)
+        redis.stop()
