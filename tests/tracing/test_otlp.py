@@ -133,7 +133,7 @@ async def test_a_workflow_run_arrives_as_one_connected_otlp_trace(
     assert len(trace_id) == 16 and any(trace_id)
 
     problems: list[str] = ["nothing received"]
-    for _ in range(100):  # the services export in batches: wait for the last one
+    for _ in range(300):  # the services export in batches: wait for the last one
         found = spans.trace(trace_id)
         problems = _problems(found)
         if not problems:
