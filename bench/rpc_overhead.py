@@ -13,6 +13,11 @@ Reference: the same servicer on a bare ``grpc.aio.server()`` called through a ba
 ``grpc.aio.insecure_channel``. Everything runs in this process on 127.0.0.1, ours and
 the reference interleaved in blocks so that machine noise hits both alike.
 Target: ratio <= 1.3 at p50.
+
+Security: the same runtime with mutual TLS and auth on (a second ServiceHost with a
+certificate from a local CA, a client certificate and a tenant token, the policy checked
+on every call) against the plaintext runtime, in the default tracing set-up.
+Target: ratio <= 1.2 at p50.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ import grpc
 
 from omniflow import telemetry
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
-from omniflow.config import load_settings
+from omniflow.cli.certs import make_bundle
+from omniflow.config import SecuritySettings, load_settings
 from omniflow.localredis import start_redis
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.server import ServiceHost
+from omniflow.security.identity import Identity
+from omniflow.security.transport import Security
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.server import WorkerApp, WorkerServicer
 
@@ -64,9 +72,30 @@ async def interleaved(ours_stub, bare_stub, calls: int, block: int, label: str):
     return ours, ref
 
 
+def secured_pair(folder: Path) -> tuple[Security, Security]:
+    """(server, client) security: mutual TLS, auth on, a tenant token."""
+    server_id, client_id = Identity("worker", "bench", "w"), Identity("client", "bench", "c")
+    bundle = make_bundle(folder, [server_id, client_id], ["bench:user"])
+    common = {"tls": "on", "tls_ca": str(bundle.ca)}
+    server = SecuritySettings(
+        **common,
+        auth="on",
+        tls_cert=str(bundle.certs[server_id.uri].cert),
+        tls_key=str(bundle.certs[server_id.uri].key),
+        tokens_file=str(bundle.tokens_file),
+    )
+    client = SecuritySettings(
+        **common,
+        tls_cert=str(bundle.certs[client_id.uri].cert),
+        tls_key=str(bundle.certs[client_id.uri].key),
+        token=bundle.tokens["bench:user"],
+    )
+    return Security.load(server), Security.load(client)
+
+
 async def main(calls: int, block: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        redis = start_redis(dir=Path(tmp))
+        redis = start_redis(dir=Path(tmp) / "redis")
         try:
             settings = dataclasses.replace(
                 load_settings(WorkerSettings, env={}), redis_url=redis.url, metrics_port=-1
@@ -78,6 +107,12 @@ async def main(calls: int, block: int) -> None:
             worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(app), bare)
             bare_port = bare.add_insecure_port("127.0.0.1:0")
             await bare.start()
+            server_sec, client_sec = secured_pair(Path(tmp) / "pki")
+            s_settings = dataclasses.replace(settings, instance_id="bench-secured")
+            s_host = ServiceHost(WorkerApp(s_settings), s_settings, security=server_sec)
+            await s_host.start()
+            secured_ch = open_channel(s_host.address, security=client_sec)
+            secured_stub = worker_pb2_grpc.WorkerServiceStub(secured_ch)
             ours_ch = open_channel(host.address)
             bare_ch = grpc.aio.insecure_channel(f"127.0.0.1:{bare_port}")
             ours_stub = worker_pb2_grpc.WorkerServiceStub(ours_ch)
@@ -85,10 +120,13 @@ async def main(calls: int, block: int) -> None:
 
             # No provider yet: the default set-up (context propagated, nothing recorded).
             default = await interleaved(ours_stub, bare_stub, calls, block, "default")
+            secured = await interleaved(secured_stub, ours_stub, calls, block, "tls+auth")
             telemetry.setup_tracing("bench-rpc", record=True)
             recording = await interleaved(ours_stub, bare_stub, calls, block, "recording")
 
             await ours_ch.close()
+            await secured_ch.close()
+            await s_host.stop()
             await bare_ch.close()
             await bare.stop(None)
             await host.stop()
@@ -106,6 +144,18 @@ async def main(calls: int, block: int) -> None:
             print(f"| {label} | {name} | {a:.3f} | {b:.3f} | {a / b:.2f} |")
     p50 = statistics.median(recording[0]) / statistics.median(recording[1])
     print(f"target p50 ratio <= 1.3 (recording spans): {'met' if p50 <= 1.3 else 'NOT met'}")
+    print(
+        "\n| security (tracing default) | metric | TLS+auth (ms) | plaintext runtime (ms) | ratio |"
+    )
+    print("|---|---|---|---|---|")
+    ours, ref = secured
+    for name, a, b in (
+        ("p50", statistics.median(ours), statistics.median(ref)),
+        ("p99", pct(ours, 0.99), pct(ref, 0.99)),
+    ):
+        print(f"| mutual TLS + token + policy | {name} | {a:.3f} | {b:.3f} | {a / b:.2f} |")
+    p50 = statistics.median(ours) / statistics.median(ref)
+    print(f"target p50 ratio <= 1.2 (TLS+auth): {'met' if p50 <= 1.2 else 'NOT met'}")
 
 
 if __name__ == "__main__":
