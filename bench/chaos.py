@@ -2,12 +2,13 @@
 
     .venv/bin/python bench/chaos.py [--per-phase 16] [--window 10]
 
-Starts ``omniflow up`` (echo TEST workers, so that requests cost almost nothing) in a
-temporary run folder, records the answers, then for each of llm-1, kv-agent, router,
-coordinator, kv-index and Redis: sends ``--per-phase`` requests (workflow runs and direct
-generations, alternating), SIGKILLs the service a third of the way in, and counts how the
-requests ended (see ``omniflow.testing.chaos``). Prints the table, the load average, and
-every request that was not ok at the first try.
+Starts ``omniflow up`` (``--replicas`` routers and coordinators; echo TEST workers, so
+that requests cost almost nothing) in a temporary run folder, records the answers, then
+for each of llm-1, kv-agent, router, coordinator, kv-index and Redis: sends
+``--per-phase`` requests (workflow runs and direct generations, alternating), SIGKILLs the
+service a third of the way in, and counts how the requests ended (see
+``omniflow.testing.chaos``). Prints the table, the load average, and why each request
+that was not ok at the first try was not.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def main() -> int:
     p.add_argument("--per-phase", type=int, default=16, help="requests per killed service")
     p.add_argument("--window", type=float, default=10.0, help="recovery probe window, seconds")
     p.add_argument("--targets", default=",".join(KILL_ORDER), help="services to kill, in order")
+    p.add_argument(
+        "--replicas", type=int, default=1, help="routers and coordinators each (1: no failover)"
+    )
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = time.monotonic()
@@ -37,15 +41,16 @@ def main() -> int:
                 per_phase=args.per_phase,
                 targets=tuple(args.targets.split(",")),
                 window_s=args.window,
+                replicas=args.replicas,
             )
         )
     phases, stuck = result.phases, result.stuck
-    print()
+    print(f"\n{args.replicas} router(s) and {args.replicas} coordinator(s), supervised")
     print(table(phases))
     print(f"\nruns left RUNNING after the adoption window: {len(stuck)}")
     print(f"processes omniflow down left behind: {len(result.left_behind)}")
     print(f"wall time {time.monotonic() - started:.0f} s; load average {os.getloadavg()}")
-    for phase in phases:
+    for phase in phases:  # why each request that was not ok at the first try was not
         for note in phase.notes:
             print(f"  {phase.killed}: {note}")
     bad = (

@@ -58,6 +58,12 @@ class CoordinatorSettings(CommonSettings):
         "(UNAVAILABLE) instead of finished unrecorded",
         minimum=0.0,
     )
+    resume_orphans: bool = setting(
+        "OMNIFLOW_COORDINATOR_RESUME_ORPHANS",
+        True,
+        "run a run whose coordinator died again from its recorded inputs (once) instead "
+        "of failing it as interrupted",
+    )
     node_timeout_s: float = setting(
         "OMNIFLOW_COORDINATOR_NODE_TIMEOUT_S",
         300.0,

@@ -22,11 +22,14 @@ Adoption: a run's entry in ``omniflow:runs:active`` is its claim, valid while it
 coordinator's lease lives (one lease per coordinator covers all its runs: one write per
 period instead of one per run). Every coordinator sweeps the active runs each
 ``lease_ttl_s / 3``; a run whose coordinator's lease is missing on two sweeps in a row
-(or that is this coordinator's own, from before a restart) is claimed atomically and
+(or that is this coordinator's own, from before a restart) is claimed atomically. With
+``resume_orphans`` the adopter runs it again from its recorded inputs, under the same id
+(once: ``MAX_RESUMES``), its events continuing the recorded sequence; a run that cannot
+be resumed (never flushed, its workflow version gone, resumed before, no capacity) is
 marked FAILED with the reason "interrupted: coordinator ... restarted or died while the
 run was in progress"; its stream ends with that RunFinished event. A run is therefore
-never RUNNING for longer than about the lease TTL after its coordinator died. Runs are
-not resumed. Finished runs answer GetRun and StreamRunEvents from Redis after a restart.
+never RUNNING for longer than about the lease TTL after its coordinator died. Finished
+runs answer GetRun and StreamRunEvents from Redis after a restart.
 """
 
 from __future__ import annotations
@@ -45,7 +48,13 @@ from opentelemetry import trace
 from omniflow import telemetry
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
-from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from omniflow.errors import (
+    InvalidArgument,
+    NotFound,
+    OmniflowError,
+    ResourceExhausted,
+    Unavailable,
+)
 from omniflow.values import VType, check_type, from_python, to_python
 from omniflow_services.coordinator import metrics
 from omniflow_services.coordinator.calls import (
@@ -97,6 +106,7 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 return 1
 """
 TERMINAL = (cpb.RUN_STATE_SUCCEEDED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_CANCELLED)
+MAX_RESUMES = 1  # a run that kills its coordinators is not run a third time
 
 
 def lease_key(owner: str) -> str:
@@ -199,6 +209,7 @@ class RunManager:
         lease_ttl_s: float = 10.0,
         record_retry_s: float = 5.0,
         limits: RunLimits | None = None,
+        resume_orphans: bool = True,
     ) -> None:
         self.redis, self.caller, self.owner_id = redis, caller, owner_id
         self.catalogue = WorkflowCatalogue(redis, limits)
@@ -206,6 +217,7 @@ class RunManager:
         self.max_inline_bytes = max_inline_bytes
         self.flush_interval_s, self.lease_ttl_s = flush_interval_s, lease_ttl_s
         self.record_retry_s = record_retry_s
+        self.resume_orphans = resume_orphans
         self.bounds = limits or RunLimits(max_inline_bytes=max_inline_bytes)
         self.live: dict[str, LiveRun] = {}
         # Runs reported failed because their final record could not be written; the
@@ -230,13 +242,14 @@ class RunManager:
         return orphaned
 
     async def recover(self, confirm: bool = False) -> int:
-        """Adopt and fail the active runs whose coordinator is gone; returns how many.
+        """Adopt the active runs whose coordinator is gone (resume or fail each); returns
+        how many.
 
         With ``confirm`` (the periodic sweep) a run of another coordinator is adopted only
         when its lease was missing on the previous sweep too, so that a coordinator that
         lost Redis for a moment has renewed its lease before anyone takes its runs."""
         active = await self.redis.hgetall(ACTIVE_KEY)
-        failed = 0
+        failed = resumed = 0
         suspects: set[tuple[str, str]] = set()
         for raw_id, raw_owner in active.items():
             run_id, owner = raw_id.decode(), raw_owner.decode()
@@ -252,12 +265,62 @@ class RunManager:
                 keys=[ACTIVE_KEY, lease_key(owner)], args=[run_id, owner, self.owner_id]
             ):
                 continue  # another coordinator adopted it, or its owner came back
+            if await self._resume_orphan(run_id, owner):
+                resumed += 1
+                continue
             await self._fail_orphan(run_id, owner)
             failed += 1
         self._suspects = suspects
-        if failed:
-            log.warning("adopted and marked %d interrupted run(s) failed", failed)
-        return failed
+        if failed or resumed:
+            log.warning("adopted interrupted runs: %d resumed, %d marked failed", resumed, failed)
+        return failed + resumed
+
+    async def _resume_orphan(self, run_id: str, owner: str) -> bool:
+        """Run an adopted run again from its recorded inputs under the same id; False
+        when it cannot be (the caller then fails it)."""
+        if not self.resume_orphans or len(self.live) >= self.max_runs:
+            return False
+        key = run_key(run_id)
+        data = await self.redis.get(key)
+        if data is None:
+            return False  # never flushed: its inputs are not recorded
+        run = cpb.Run()
+        run.ParseFromString(data)
+        if run.state in TERMINAL:
+            return False
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.incr(f"{key}:resumed")
+            pipe.expire(f"{key}:resumed", int(self.run_ttl_s))
+            resumes, _ = await pipe.execute()
+        if int(resumes) > MAX_RESUMES:
+            return False
+        try:
+            graph = await self.catalogue.get(run.workflow, run.version)
+            values = self._check_inputs(graph, run.inputs)
+        except OmniflowError as exc:
+            log.warning("run %s cannot be resumed: %s", run_id, exc)
+            return False
+        stored = await self.redis.lrange(f"{key}:events", 0, -1)
+        del run.nodes[:]
+        live = LiveRun(run)
+        for raw in stored:
+            ev = cpb.RunEvent()
+            ev.ParseFromString(raw)
+            live.events.append(ev)
+        live.flushed = len(live.events)
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        live.registered = done  # the claim is its active entry
+        self.live[run_id] = live
+        metrics.run_started()
+        span = telemetry.tracer().start_span(f"run {graph.name} (resumed)")
+        span.set_attribute("omniflow.run_id", run_id)
+        log.warning("run %s of coordinator %s: resumed from its inputs", run_id, owner)
+        with trace.use_span(span, end_on_exit=False):
+            live.task = asyncio.create_task(
+                self._execute(live, graph, values, graph.default_deadline_ms, span, {})
+            )
+        return True
 
     async def _fail_orphan(self, run_id: str, owner: str) -> None:
         data = await self.redis.get(run_key(run_id))
@@ -266,8 +329,7 @@ class RunManager:
             run.ParseFromString(data)
         if run.state not in TERMINAL:
             reason = (
-                f"interrupted: coordinator {owner} restarted or died while the run was in "
-                "progress (runs are not resumed)"
+                f"interrupted: coordinator {owner} restarted or died while the run was in progress"
             )
             run.state, run.error, run.finished_unix_ms = cpb.RUN_STATE_FAILED, reason, _now_ms()
             seq = await self.redis.llen(f"{run_key(run_id)}:events")
@@ -460,16 +522,23 @@ class RunManager:
         live = LiveRun(run)
         self.live[run_id] = live
         metrics.run_started()
-        # The run starts while its active entry is written (its first Pick overlaps the
-        # Redis round trip); submit returns the id only once the entry is in Redis, so
-        # that a run a client knows of is always accounted for after a crash.
-        live.registered = asyncio.ensure_future(self.redis.hset(ACTIVE_KEY, run_id, self.owner_id))
+        # The run starts while its active entry and first record are written (its first
+        # Pick overlaps the Redis round trip); submit returns the id only once both are in
+        # Redis, so that a run a client knows of is always accounted for after a crash,
+        # and can be resumed from its inputs by whoever adopts it.
+        live.registered = asyncio.ensure_future(self._register(live))
         # The task inherits this context: every node call is a child of the run span.
         deadline_ms = deadline_ms or graph.default_deadline_ms
         live.task = asyncio.create_task(
             self._execute(live, graph, values, deadline_ms, span, early)
         )
         return live
+
+    async def _register(self, live: LiveRun) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(ACTIVE_KEY, live.run.run_id, self.owner_id)
+            pipe.set(run_key(live.run.run_id), live.run.SerializeToString(), nx=True)
+            await pipe.execute()
 
     def _release(self, early: dict[str, PickAhead]) -> None:
         if early:

@@ -178,6 +178,7 @@ class CoordinatorApp(ServiceApp):
             max_inline_bytes=s.max_inline_bytes,
             lease_ttl_s=max(s.registration_ttl_s, 1.0),
             record_retry_s=s.record_retry_s,
+            resume_orphans=s.resume_orphans,
             limits=RunLimits(
                 max_inline_bytes=s.max_inline_bytes,
                 max_input_bytes=s.max_input_bytes,

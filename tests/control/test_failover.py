@@ -33,18 +33,41 @@ def _shout() -> Workflow:
     return wf
 
 
-async def test_dead_coordinators_runs_are_adopted_and_the_client_fails_over(launch) -> None:
+def _two_coordinators(launch, resume: bool) -> list:
     launch("omniflow.testing.echo_worker", "echo-0", OMNIFLOW_WORKER_ROLE="echo").wait_ready()
     router = launch("omniflow_services.router", "router").wait_ready()
-    coords = [
+    return [
         launch(
             "omniflow_services.coordinator",
             f"coord-{x}",
             OMNIFLOW_ROUTER_ADDR=router.address,
+            OMNIFLOW_COORDINATOR_RESUME_ORPHANS=str(resume).lower(),
             **FAST_LEASE,
         ).wait_ready()
         for x in "ab"
     ]
+
+
+async def test_dead_coordinators_runs_are_resumed_by_another(launch) -> None:
+    a, b = _two_coordinators(launch, resume=True)
+    async with Client(f"{a.address},{b.address}", resume_s=30) as client:
+        await client.register(_slow())
+        events = []
+        async for ev in client.stream("slow", {"ms": 1500}):
+            events.append(ev)
+            if ev.HasField("node_started") and len(events) == 1:
+                a.kill()  # mid-run
+        fin = events[-1].run_finished
+        assert fin.state == cpb.RUN_STATE_SUCCEEDED, fin.error
+        assert fin.outputs["slept_ms"].float_value >= 1500
+        assert client.address == b.address
+        run = await client.get_run(events[-1].run_id)
+        assert run.state == cpb.RUN_STATE_SUCCEEDED  # recorded by b, same run id
+    assert "resumed from its inputs" in b.tail()
+
+
+async def test_dead_coordinators_runs_are_adopted_and_the_client_fails_over(launch) -> None:
+    coords = _two_coordinators(launch, resume=False)
     a, b = coords
     async with Client(f"{a.address},{b.address}", resume_s=30) as client:
         assert client.address == a.address

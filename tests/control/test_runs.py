@@ -196,6 +196,7 @@ async def test_restarted_coordinator_fails_interrupted_runs_and_keeps_finished_o
         "coordinator-again",
         OMNIFLOW_INSTANCE_ID="coordinator",  # the same id: its own old runs are orphans
         OMNIFLOW_ROUTER_ADDR=procs["router"].address,
+        OMNIFLOW_COORDINATOR_RESUME_ORPHANS="false",  # resuming: test_failover.py
     ).wait_ready()
     async with Client(again.address) as client:
         old = await client.get_run(done.run_id)

@@ -162,9 +162,10 @@ def _plan(topology: Topology) -> list[tuple[str, str, dict[str, str]]]:
     plan: list[tuple[str, str, dict[str, str]]] = [
         ("kv-index", "kv_index", {}),
         ("kv-agent", "kv_agent", dict(topology.kv_agent_env)),
-        ("router", "router", {}),
-        ("coordinator", "coordinator", {}),
     ]
+    for service, count in (("router", topology.routers), ("coordinator", topology.coordinators)):
+        # The first keeps the plain name (``local_address("router")``); replicas are -2, -3...
+        plan += [(service if i == 0 else f"{service}-{i + 1}", service, {}) for i in range(count)]
     # Every worker is a torch process: each gets its share of this node's cores.
     torch_workers = str(sum(spec.count for spec in topology.workers) or 1)
     for spec in topology.workers:

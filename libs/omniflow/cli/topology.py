@@ -4,6 +4,8 @@ A YAML file::
 
     node: local                 # node id shared by every process (one machine)
     kv_agent: {host_bytes: 268435456}
+    routers: 2                  # replicas of the control plane (default 1 each)
+    coordinators: 2
     workers:
       - {role: llm, count: 2, model: "tiny:qwen2"}
       - {role: encoder, count: 1, model: /path/to/model}
@@ -60,6 +62,9 @@ class Topology:
     node: str = "local"
     workers: tuple[WorkerSpec, ...] = ()
     kv_agent_env: dict[str, str] = field(default_factory=dict)
+    #: Replicas of the control plane: clients and coordinators fail over between them.
+    routers: int = 1
+    coordinators: int = 1
 
 
 def _str_env(where: str, raw: Any) -> dict[str, str]:
@@ -78,11 +83,18 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
         raise InvalidArgument(f"{source}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidArgument(f"{source}: expected a mapping at the top level")
-    unknown = set(data) - {"node", "workers", "kv_agent"}
+    unknown = set(data) - {"node", "workers", "kv_agent", "routers", "coordinators"}
     if unknown:
         raise InvalidArgument(
-            f"{source}: unknown keys {sorted(unknown)}; accepted: node, workers, kv_agent"
+            f"{source}: unknown keys {sorted(unknown)}; accepted: node, workers, kv_agent, "
+            "routers, coordinators"
         )
+    replicas = {}
+    for key in ("routers", "coordinators"):
+        n = data.get(key, 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 8:
+            raise InvalidArgument(f"{source}: {key} must be an integer from 1 to 8, got {n!r}")
+        replicas[key] = n
     workers = []
     for i, entry in enumerate(data.get("workers") or []):
         where = f"{source}: workers[{i}]"
@@ -115,7 +127,7 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
     if not isinstance(agent, dict):
         raise InvalidArgument(f"{source}: kv_agent must be a mapping")
     agent_env = {f"OMNIFLOW_KV_{k.upper()}": str(v) for k, v in agent.items()}
-    return Topology(str(data.get("node", "local")), tuple(workers), agent_env)
+    return Topology(str(data.get("node", "local")), tuple(workers), agent_env, **replicas)
 
 
 def load_topology(path: Path | None) -> Topology:

@@ -44,7 +44,7 @@ import redis.asyncio as aioredis
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.client import Client
-from omniflow.dsl import VType, Workflow
+from omniflow.dsl import Retry, VType, Workflow
 from omniflow.errors import OmniflowError
 from omniflow.rpc.client import open_channel
 
@@ -55,7 +55,12 @@ RETRIES = 4
 
 def chaos_workflow() -> Workflow:
     wf = Workflow(WORKFLOW, description="one echo generation (chaos test)")
-    reply = wf.call("say", "llm", "generate", prompt=wf.input("prompt", VType.TEXT))
+    # A retry policy, as a user gives a node that may meet a dying worker: another worker
+    # takes the call when the first fails before any output.
+    reply = wf.call(
+        "say", "llm", "generate", prompt=wf.input("prompt", VType.TEXT),
+        retry=Retry(max_attempts=3),
+    )  # fmt: skip
     wf.output("text", reply["text"])
     return wf
 
@@ -79,8 +84,11 @@ class PhaseResult:
 class LocalTopology:
     """``omniflow up`` in a run folder of its own, with echo workers; ``down`` at exit."""
 
-    def __init__(self, root: Path, *, workers: int = 2, token_delay_ms: float = 20.0) -> None:
+    def __init__(
+        self, root: Path, *, workers: int = 2, replicas: int = 1, token_delay_ms: float = 20.0
+    ) -> None:
         self.root = root
+        self.replicas = replicas
         self.run_dir = root / "run"
         omniflow = shutil.which("omniflow") or str(Path(sys.executable).with_name("omniflow"))
         self._omniflow = omniflow
@@ -106,7 +114,8 @@ class LocalTopology:
         self.root.mkdir(parents=True, exist_ok=True)
         topology = self.root / "topology.yaml"
         topology.write_text(
-            f"node: chaos\nworkers:\n  - {{role: llm, count: {self.workers}, program: echo}}\n"
+            f"node: chaos\nrouters: {self.replicas}\ncoordinators: {self.replicas}\n"
+            f"workers:\n  - {{role: llm, count: {self.workers}, program: echo}}\n"
         )
         done = self._cli("up", "--topology", str(topology))
         if done.returncode != 0:
@@ -138,8 +147,9 @@ class LocalTopology:
     def redis_url(self) -> str:
         return str(self.state()["env"]["OMNIFLOW_REDIS_URL"])
 
-    def router_address(self) -> str:
-        return str(self.procs()["router"]["address"])
+    def addresses(self, service: str) -> list[str]:
+        """Addresses of every replica of ``service``, the first-started first."""
+        return [str(p["address"]) for p in self.procs().values() if p["service"] == service]
 
 
 class Load:
@@ -148,12 +158,14 @@ class Load:
     def __init__(self, topo: LocalTopology, client: Client) -> None:
         self.topo = topo
         self.client = client
+        self.coordinators = ",".join(topo.addresses("coordinator"))
         self.expected: dict[str, str] = {}
         self.run_ids: list[str] = []
 
     async def workflow(self, prompt: str, retries: int = RETRIES) -> tuple[str, str]:
         """(outcome, detail) of one workflow run."""
         backoff = 0.25
+        why = ""
         for attempt in range(retries + 1):
             run_id = uuid.uuid4().hex
             self.run_ids.append(run_id)
@@ -165,8 +177,9 @@ class Load:
                 if final is None:
                     return "lost", f"run {run_id}: stream ended without RunFinished"
             except OmniflowError as exc:
+                why = f"run {run_id}: {type(exc).__name__}: {exc}"
                 if attempt == retries:
-                    return "lost", f"run {run_id}: {type(exc).__name__}: {exc}"
+                    return "lost", why
                 await asyncio.sleep(backoff)
                 backoff *= 2
                 continue
@@ -174,15 +187,18 @@ class Load:
                 text = final.outputs["text"].text
                 if text != self.expected[prompt]:
                     return "wrong", f"run {run_id}: {text!r} != {self.expected[prompt]!r}"
-                return ("ok" if attempt == 0 else "retried"), ""
+                return ("ok", "") if attempt == 0 else ("retried", why)
+            why = f"run {run_id}: {final.error or 'failed with no reason'}"
             if not final.error or attempt == retries:
-                return "lost", f"run {run_id}: {final.error or 'failed with no reason'}"
+                return "lost", why
             await asyncio.sleep(backoff)  # a failure with a reason: submit again
             backoff *= 2
         return "lost", "unreachable"
 
-    async def _generate_once(self, prompt: str, timeout_s: float) -> str:
-        async with open_channel(self.topo.router_address(), default_timeout_s=timeout_s) as ch:
+    async def _generate_once(self, prompt: str, timeout_s: float, router: int = 0) -> str:
+        routers = self.topo.addresses("router")
+        address = routers[router % len(routers)]
+        async with open_channel(address, default_timeout_s=timeout_s) as ch:
             stub = worker_pb2_grpc.WorkerServiceStub(ch)
             parts = []
             req = worker_pb2.GenerateRequest(request_id=uuid.uuid4().hex, text=prompt)
@@ -191,27 +207,33 @@ class Load:
             return "".join(parts)
 
     async def direct(self, prompt: str, retries: int = RETRIES) -> tuple[str, str]:
-        """(outcome, detail) of one generation through the router's worker proxy."""
+        """(outcome, detail) of one generation through the router's worker proxy. An
+        attempt tries each router replica in turn (failover, not a retry); a retry comes
+        after every replica failed, with backoff."""
         backoff = 0.25
+        why = ""
         for attempt in range(retries + 1):
-            try:
-                text = await self._generate_once(prompt, 10.0)
-            except (grpc.aio.AioRpcError, OSError) as exc:
-                if attempt == retries:
+            for router in range(self.topo.replicas):
+                try:
+                    text = await self._generate_once(prompt, 10.0, router)
+                except (grpc.aio.AioRpcError, OSError) as exc:
+                    code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else ""
                     detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc
-                    return "lost", f"direct: {detail}"
+                    why = f"direct: {code} {detail}"
+                    continue
+                if text != self.expected[prompt]:
+                    return "wrong", f"direct: {text!r} != {self.expected[prompt]!r}"
+                return ("ok", "") if attempt == 0 else ("retried", why)
+            if attempt < retries:
                 await asyncio.sleep(backoff)
                 backoff *= 2
-                continue
-            if text != self.expected[prompt]:
-                return "wrong", f"direct: {text!r} != {self.expected[prompt]!r}"
-            return ("ok" if attempt == 0 else "retried"), ""
-        return "lost", "unreachable"
+        return "lost", why
 
     async def probe(self) -> tuple[bool, bool]:
         """One fresh request of each kind with no retry: (workflow ok, direct ok)."""
         prompt = next(iter(self.expected))
-        probe = Client(self.client.address, failover_s=0.0, resume_s=3.0, timeout_s=3.0)
+        # A fresh client, failing over between replicas only as fast as it can (no backoff).
+        probe = Client(self.coordinators, failover_s=1.0, resume_s=3.0, timeout_s=3.0)
         try:
             wf = await asyncio.wait_for(probe.run(WORKFLOW, {"prompt": prompt}), 3.0)
             wf_ok = wf.ok and wf.outputs.get("text") == self.expected[prompt]
@@ -219,10 +241,13 @@ class Load:
             wf_ok = False
         finally:
             await probe.close()
-        try:
-            direct_ok = await self._generate_once(prompt, 3.0) == self.expected[prompt]
-        except (grpc.aio.AioRpcError, OSError, TimeoutError):
-            direct_ok = False
+        direct_ok = False
+        for router in range(self.topo.replicas):  # each replica once, as a client fails over
+            try:
+                direct_ok = await self._generate_once(prompt, 3.0, router) == self.expected[prompt]
+            except (grpc.aio.AioRpcError, OSError, TimeoutError):
+                continue
+            break
         return wf_ok, direct_ok
 
 
@@ -317,16 +342,17 @@ async def chaos(
     per_phase: int = 16,
     targets: tuple[str, ...] = KILL_ORDER,
     window_s: float = 10.0,
+    replicas: int = 1,
     log: Callable[[str], None] = print,
 ) -> ChaosResult:
     """The whole run: up, record answers, one phase per target, check nothing is stuck,
     down."""
-    topo = LocalTopology(root)
+    topo = LocalTopology(root, replicas=replicas)
     topo.up()
     started = topo.all_pids()
     try:
-        coordinator = topo.procs()["coordinator"]["address"]
-        async with Client(coordinator, resume_s=30.0) as client:
+        coordinators = ",".join(topo.addresses("coordinator"))
+        async with Client(coordinators, resume_s=30.0) as client:
             await client.register(chaos_workflow())
             load = Load(topo, client)
             for i in range(4):  # the answers, recorded before any fault
