@@ -243,7 +243,12 @@ class WorkerApp(ServiceApp):
         if not self.settings.kv_connect or self.runtime is None or llm is None:
             return
         if not isinstance(getattr(llm, "engine", None), Engine):
-            return  # SGLang shares pages through its own HiCache backend
+            # SGLang shares pages through its HiCache backend, vLLM through its connector;
+            # a role that announces its device pages itself does so under our lease.
+            attach = getattr(llm, "attach_index", None)
+            if attach is not None:
+                self.kv = attach(self.runtime)
+            return
         self.kv = WorkerKV(self.runtime, self.settings.kv_agent_addr)
         self.kv.attach(llm.engine)
 

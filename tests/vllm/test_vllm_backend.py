@@ -18,12 +18,15 @@ import time
 
 import numpy as np
 import pytest
-from vllm_cluster import BLOCK, LEASE_MS, VLLMCluster, run_vllm_alone
+import torch
+from vllm_cluster import BLOCK, LEASE_MS, VLLMCluster, metric, run_vllm_alone
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.rpc.client import open_channel
+from omniflow_services.worker.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
+from omniflow_services.worker.sglang_transport import AgentPageStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
@@ -155,13 +158,59 @@ async def test_second_node_loads_a_shared_prefix_through_the_agents(
     hashes = list(first.prompt_block_hashes)
     full = len(PREFIX) // 16  # pages of the prefix (the rest differ between the prompts)
     await wait_indexed(nodes["index"], ns, hashes, f"agent-node-a-{vllm_cluster.tag}", full)
+    # vLLM's device pool is announced too, under the worker's own lease (its KV events):
+    # every full page of the prompt, in whole vLLM blocks.
+    in_device = len(PROMPTS["shared-a"]) // BLOCK * BLOCK // 16
+    await wait_indexed(nodes["index"], ns, hashes, f"vllm-node-a-{vllm_cluster.tag}", in_device)
 
     second = await generate(b, PROMPTS["shared-b"], "shared-b")
     assert list(second.token_ids) == reference["shared-b"]
     # Whole vLLM blocks of the prefix came from node-a's agent (through node-b's).
     assert second.usage.cached_tokens >= len(PREFIX) // BLOCK * BLOCK > 0
     assert list(second.prompt_block_hashes)[:full] == hashes[:full]
+    # The worker's Prometheus series count them as hits from the agent.
+    b_proc = vllm_cluster.by_name["vllm-node-b"]
+    hits = 'omniflow_worker_prefix_cache_hit_tokens_total{source="agent"}'
+    assert await asyncio.to_thread(metric, b_proc, hits) >= len(PREFIX) // BLOCK * BLOCK
     assert await indexed(nodes["index"], ns, hashes, f"agent-node-b-{vllm_cluster.tag}") >= 12
+
+
+async def test_vllm_pages_are_the_builtin_engines_pages(nodes, vllm_cluster) -> None:
+    """The pages a vLLM worker stores hold what the built-in engine computes for the same
+    tokens (same namespace, contract byte order), to bfloat16 rounding: the two engines
+    can load each other's pages."""
+    a = nodes["worker-node-a"]
+    ns = await worker_namespace(a)
+    prompt = PROMPTS["shared-a"]
+    reply = await generate(a, prompt, "pages-a")  # stored now, or held since an earlier test
+    full = len(PREFIX) // 16
+    owner = f"agent-node-a-{vllm_cluster.tag}"
+    await wait_indexed(nodes["index"], ns, list(reply.prompt_block_hashes), owner, full)
+
+    config = EngineConfig(dtype="bfloat16", kv_cache_bytes=64 * 1024 * 1024)
+    engine = await asyncio.to_thread(Engine, vllm_cluster.model, config)
+    assert engine.layout.namespace_hex == ns
+    request = GenerateRequest(
+        "kv", prompt_token_ids=prompt, params=SamplingParams(1, 0.0), return_kv=True
+    )
+    kv = None
+    async for out in engine.generate(request):
+        kv = out.kv if out.kv is not None else kv
+    assert kv is not None
+    k, v = (t.float().cpu() for t in kv)  # [layers, kv heads, prompt, head dim]
+
+    store = AgentPageStore(nodes["agent-node-a"], engine.layout, index_address=nodes["index"])
+    try:
+        pages = await asyncio.to_thread(store.get, list(reply.prompt_block_hashes)[:full])
+    finally:
+        store.close()
+    assert len(pages) == full
+    for i, page in enumerate(pages):
+        got = torch.from_numpy(page).view(torch.bfloat16).reshape(engine.layout.page_shape)
+        want = torch.stack([k[:, :, i * 16 : (i + 1) * 16], v[:, :, i * 16 : (i + 1) * 16]])
+        err = (got.float() - want).abs().amax(dim=(2, 3, 4))  # per K/V and layer
+        scale = want.abs().amax(dim=(2, 3, 4))
+        assert (err <= 0.05 * scale + 0.05).all(), (i, err.max().item(), scale.max().item())
 
 
 async def test_agent_killed_before_the_pull_means_recompute(nodes, reference, vllm_cluster) -> None:
@@ -182,3 +231,30 @@ async def test_agent_killed_before_the_pull_means_recompute(nodes, reference, vl
     assert list(second.token_ids) == reference["kill-b"]
     log = vllm_cluster.by_name["vllm-node-b"].log.read_text(errors="replace")
     assert "vLLM recomputes the rest" in log
+
+
+async def test_abort_ends_the_stream_and_load_is_reported(nodes) -> None:
+    async with open_channel(nodes["worker-node-b"]) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        request = worker_pb2.GenerateRequest(
+            request_id="long",
+            token_ids=common_pb2.TokenIds(ids=tokens(20, 9)),
+            sampling=common_pb2.SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True),
+        )
+        got, last, aborted = 0, None, False
+        async for reply in stub.Generate(request, timeout=300):
+            got += len(reply.token_ids)
+            last = reply
+            if got >= 4 and not aborted:
+                load = (await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)).load
+                assert load.running_requests + load.waiting_requests == 1
+                assert 0 < load.free_pages <= load.total_pages
+                reply_abort = await stub.Abort(
+                    worker_pb2.AbortRequest(request_id="long"), timeout=5
+                )
+                assert reply_abort.found
+                aborted = True
+        assert last is not None and last.finish_reason == worker_pb2.FINISH_REASON_ABORT
+        assert got < 3000
+        gone = await stub.Abort(worker_pb2.AbortRequest(request_id="long"), timeout=5)
+        assert not gone.found

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from omniflow.errors import InvalidArgument
+from omniflow.kv.blocks import KVLayout, block_hashes
+from omniflow_services.worker.vllm.events import BlockNames
 from omniflow_services.worker.vllm.pages import BlockFormat, cpu_format
 
 L, H, D, B, S = 2, 2, 32, 32, 16  # layers, kv heads, head dim, vLLM block, page
@@ -105,3 +107,17 @@ def test_cpu_format_of_an_isa() -> None:
     assert cpu_format("vec", 32, 16) == "cpu-vec"
     assert cpu_format("vec", 64, 16) == "opaque"  # not decoded at other block sizes
     assert cpu_format("neon", 32, 16) == "opaque"
+
+
+def test_vllm_blocks_are_named_by_the_block_hashes_of_their_pages() -> None:
+    layout = KVLayout("m", L, H, D, "bfloat16", S)
+    names = BlockNames(layout)
+    first, second = list(range(100, 164)), list(range(500, 532))
+    got = names.stored(None, [b"a", b"b"], first, B)
+    assert got == block_hashes(layout.namespace, first, S)  # 2 vLLM blocks, 4 pages
+    more = names.stored(b"b", [b"c"], second, B)
+    assert more == block_hashes(layout.namespace, first + second, S)[4:]
+    assert names.stored(b"unseen", [b"d"], second, B) == []  # its chain cannot be named
+    assert names.removed([b"a", b"zz"]) == got[:2]
+    assert sorted(names.held()) == sorted(got[2:] + more)
+    assert sorted(names.cleared()) == sorted(got[2:] + more) and names.held() == []

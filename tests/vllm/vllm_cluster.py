@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -129,7 +130,7 @@ class VLLMCluster:
             "worker", name, python=str(VLLM_PYTHON), OMNIFLOW_NODE_ID=node,
             OMNIFLOW_WORKER_ENGINE="vllm", OMNIFLOW_WORKER_MODEL=str(self.model),
             OMNIFLOW_WORKER_DTYPE="bfloat16", OMNIFLOW_KV_AGENT_ADDR=agent_address,
-            OMNIFLOW_WORKER_DEVICE=DEVICE,
+            OMNIFLOW_WORKER_DEVICE=DEVICE, OMNIFLOW_METRICS_PORT="0",
             OMNIFLOW_WORKER_KV_BYTES=str(128 * 1024 * 1024), **VLLM_ENV,
         )  # fmt: skip
 
@@ -150,6 +151,17 @@ class VLLMCluster:
                 pass
         for path in Path("/dev/shm").glob(f"*{self.tag}*"):
             path.unlink(missing_ok=True)
+
+
+def metric(proc: ServiceProc, series: str) -> float:
+    """The value of one Prometheus ``series`` (name with labels) the process exports."""
+    port = proc.info["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{series} is not exported:\n{text[:3000]}")
 
 
 def run_vllm_alone(

@@ -35,13 +35,16 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from omniflow.errors import FailedPrecondition, InvalidArgument
+from omniflow.errors import FailedPrecondition, InvalidArgument, Unavailable
 from omniflow.kv.blocks import KVLayout, block_hashes
+from omniflow.rpc.server import Runtime
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.engine import EngineLoad, RequestOutput, SamplingParams, Usage
 from omniflow_services.worker.engine.config import ModelConfig
 from omniflow_services.worker.engine.loader import load_tokenizer
+from omniflow_services.worker.engine.types import EngineStats
 from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.vllm.events import DeviceIndex, events_endpoint
 from omniflow_services.worker.vllm.pages import cpu_format, opaque_model_id
 
 log = logging.getLogger(__name__)
@@ -148,10 +151,12 @@ class VLLMConfig:
     agent_address: str = ""
     index_address: str = ""
     model_id: str = ""
+    events_endpoint: str = ""  # vLLM's KV events, for the device pages in the index
     extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs fields
 
     def engine_kwargs(self, model_dir: Path, layout: KVLayout, fmt: str) -> dict[str, Any]:
         from omniflow_services.worker.vllm.connector import transfer_config
+        from omniflow_services.worker.vllm.events import kv_events_config
 
         kw: dict[str, Any] = {
             "model": str(model_dir),
@@ -165,6 +170,8 @@ class VLLMConfig:
             "enforce_eager": self.device == "cpu",  # no graph capture or compile on CPU
             "disable_log_stats": False,  # GetLoad reads the scheduler's stats
         }
+        if self.events_endpoint:
+            kw["kv_events_config"] = kv_events_config(self.events_endpoint)
         if self.agent_address:
             kw["kv_transfer_config"] = transfer_config(
                 self.agent_address, self.index_address, layout, fmt
@@ -172,11 +179,41 @@ class VLLMConfig:
         return kw | self.extra
 
 
-def make_load_logger() -> tuple[type, dict[str, float]]:
-    """A vLLM stat logger class that keeps the last scheduler stats in a dict."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
+@dataclass(slots=True)
+class Observed:
+    """What vLLM's stats tell the worker's process: queues and KV use of the last step, and
+    the engine counters the worker's Prometheus series read (``metrics._engine_samples``)."""
 
-    last: dict[str, float] = {"running": 0, "waiting": 0, "kv_usage": 0.0}
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    stats: EngineStats = field(default_factory=EngineStats)
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        st = self.stats
+        if scheduler_stats is not None:
+            self.running = int(scheduler_stats.num_running_reqs)
+            self.waiting = int(scheduler_stats.num_waiting_reqs)
+            self.kv_usage = float(scheduler_stats.kv_cache_usage)
+            st.steps += 1
+            connector = scheduler_stats.kv_connector_stats or {}
+            st.pages_written_through += int(connector.get("saved_pages", 0))
+            st.connector_failures += int(connector.get("failed_blocks", 0)) + int(
+                connector.get("errors", 0)
+            )
+        if iteration_stats is not None:
+            prompt = iteration_stats.prompt_token_stats
+            st.prompt_tokens += int(prompt.total)
+            st.device_hit_tokens += int(prompt.local_cache_hit)
+            st.connector_hit_tokens += int(prompt.external_kv_transfer)
+            st.generated_tokens += int(iteration_stats.num_generation_tokens)
+            st.batched_tokens += int(prompt.computed) + int(iteration_stats.num_generation_tokens)
+            st.preemptions += int(iteration_stats.num_preempted_reqs)
+
+
+def make_load_logger(observed: Observed) -> type:
+    """A vLLM stat logger class that feeds ``observed`` (vLLM calls it every step)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
 
     class LoadLogger(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
@@ -189,39 +226,37 @@ def make_load_logger() -> tuple[type, dict[str, float]]:
             mm_cache_stats: Any = None,
             engine_idx: int = 0,
         ) -> None:
-            if scheduler_stats is not None:
-                last["running"] = scheduler_stats.num_running_reqs
-                last["waiting"] = scheduler_stats.num_waiting_reqs
-                last["kv_usage"] = scheduler_stats.kv_cache_usage
+            observed.record(scheduler_stats, iteration_stats)
 
         def log_engine_initialized(self) -> None:
             pass
 
-    return LoadLogger, last
+    return LoadLogger
 
 
 class VLLMEngine:
     """The parts of our ``Engine`` the worker uses, over a vLLM ``AsyncLLM``."""
 
     def __init__(
-        self, llm: Any, layout: KVLayout, tokenizer: Any, cfg: ModelConfig, stats: dict
+        self, llm: Any, layout: KVLayout, tokenizer: Any, cfg: ModelConfig, observed: Observed
     ) -> None:
         self.llm = llm
         self.layout = layout
         self.tokenizer = tokenizer
         self.model_config = cfg
         self.active: dict[str, DeltaDecoder] = {}
-        self._stats = stats
+        self.observed = observed
+        self.stats = observed.stats  # the worker's metrics read it on every scrape
         self._aborts: set[asyncio.Task[None]] = set()
         blocks = int(getattr(llm.vllm_config.cache_config, "num_gpu_blocks", 0) or 0)
         self.total_pages = blocks * llm.vllm_config.cache_config.block_size // layout.page_size
 
     def load(self) -> EngineLoad:
         # vLLM's scheduler runs in another process: its last stats, and what we stream.
-        s = self._stats
-        running = max(int(s["running"]), 0)
-        waiting = max(int(s["waiting"]), len(self.active) - running, 0)
-        free = int(self.total_pages * (1.0 - float(s["kv_usage"])))
+        o = self.observed
+        running = max(o.running, 0)
+        waiting = max(o.waiting, len(self.active) - running, 0)
+        free = int(self.total_pages * (1.0 - o.kv_usage))
         return EngineLoad(running, waiting, free, self.total_pages)
 
     def abort(self, request_id: str) -> bool:
@@ -241,9 +276,34 @@ class VLLMRole(LLMRole):
 
     engine: VLLMEngine  # type: ignore[assignment]
 
-    def __init__(self, engine: VLLMEngine, model_dir: Path) -> None:
+    def __init__(
+        self, engine: VLLMEngine, model_dir: Path, config: VLLMConfig | None = None
+    ) -> None:
         super().__init__(engine, model_dir)  # type: ignore[arg-type]
         self._warm = itertools.count()
+        self.config = config or VLLMConfig()
+        self.device_index: DeviceIndex | None = None
+        if self.config.events_endpoint:
+            self.device_index = DeviceIndex(self.config.events_endpoint, engine.layout)
+
+    def attach_index(self, runtime: Runtime) -> DeviceIndex | None:
+        """Announce vLLM's device pages in the index under the worker's lease (the worker's
+        edge calls this once it serves; it stops what this returns)."""
+        index = self.device_index
+        if index is None:
+            return None
+        known = self.config.index_address
+
+        async def find_index() -> str:
+            if known:
+                return known
+            found = await runtime.registry.list("kv-index")
+            if not found:
+                raise Unavailable("no kv-index registered")
+            return found[0].address
+
+        index.start(runtime, find_index)
+        return index
 
     @classmethod
     async def load(cls, model_dir: Path, config: VLLMConfig) -> VLLMRole:  # type: ignore[override]
@@ -251,6 +311,10 @@ class VLLMRole(LLMRole):
         # vLLM CPU pins its OpenMP threads to all cores unless told not to; the node's
         # thread budget (OMP_NUM_THREADS) decides instead.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        import torch
+
+        # vLLM's engine processes inherit the worker's thread budget (engine/threads.py).
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -261,12 +325,13 @@ class VLLMRole(LLMRole):
         model_id = config.model_id or (await asyncio.to_thread(Path(model_dir).resolve)).name
         fmt = kv_format(cfg, config)
         layout = vllm_layout(cfg, config, model_id, fmt)
-        logger_cls, stats = make_load_logger()
+        observed = Observed()
+        logger_cls = make_load_logger(observed)
         args = AsyncEngineArgs(**config.engine_kwargs(model_dir, layout, fmt))
         # Starting vLLM spawns its engine process and loads weights (tens of seconds on a
         # CPU); health stays NOT_SERVING meanwhile.
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[logger_cls])
-        engine = VLLMEngine(llm, layout, load_tokenizer(model_dir), cfg, stats)
+        engine = VLLMEngine(llm, layout, load_tokenizer(model_dir), cfg, observed)
         # Ends vLLM's engine processes at exit, while the interpreter is still whole.
         atexit.register(engine.shutdown)
         log.info(
@@ -278,7 +343,7 @@ class VLLMRole(LLMRole):
             layout.page_size,
             layout.namespace_hex,
         )
-        return cls(engine, model_dir)
+        return cls(engine, model_dir, config)
 
     async def warm_up(self) -> None:
         async for _ in self.generate(
@@ -388,5 +453,6 @@ async def load_vllm_role(folder: Path, settings: WorkerSettings, dtype: str) -> 
         max_num_batched_tokens=settings.max_batch_tokens,
         agent_address=agent,
         index_address=index,
+        events_endpoint=events_endpoint() if settings.kv_connect else "",
     )
     return await VLLMRole.load(folder, config)

@@ -37,6 +37,7 @@ import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import ROOT_PARENT, KVLayout, hash_page
@@ -69,6 +71,7 @@ log = logging.getLogger(__name__)
 MODULE_PATH = __name__
 CLASS_NAME = "OmniflowConnector"
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+RETRY_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +179,26 @@ class OmniflowConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
 
 
+@dataclass
+class OmniflowConnectorStats(KVConnectorStats):
+    """Counter increments since the last report, summed over the connector's sides; they
+    reach the worker's process in vLLM's scheduler stats (its Prometheus series)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
 @dataclass(slots=True)
 class _Tracked:
     """What the scheduler side knows of one running request."""
@@ -226,6 +249,8 @@ class OmniflowConnector(KVConnectorBase_V1):
             timeout_s=self.config.timeout_s,
         )
         self._registered = False
+        self._retry_at = 0.0
+        self._reported: dict[str, int] = {}
         self.stats: dict[str, int] = {
             "lookups": 0, "matched_tokens": 0, "loaded_pages": 0, "failed_blocks": 0,
             "saved_pages": 0, "dropped_saves": 0, "errors": 0,
@@ -251,14 +276,17 @@ class OmniflowConnector(KVConnectorBase_V1):
         )
 
     def _ready(self) -> bool:
-        """Register the namespace once (the agent learns its page size from the index)."""
-        if not self._registered:
+        """Register the namespace once (the agent learns its page size from the index);
+        after a failure, requests recompute for RETRY_S before the next try, so that an
+        unreachable agent never costs the scheduler a timeout per request."""
+        if not self._registered and time.monotonic() >= self._retry_at:
             try:
                 self.store.register()
                 self._registered = True
-            except Exception as exc:  # a miss now; tried again on the next request
+            except Exception as exc:
                 self.stats["errors"] += 1
-                log.warning("kv-agent/index not reachable (%s): recompute", exc)
+                self._retry_at = time.monotonic() + RETRY_S
+                log.warning("kv-agent/index not reachable (%s): recompute for %.0fs", exc, RETRY_S)
         return self._registered
 
     # ==== scheduler side =====================================================================
@@ -483,6 +511,18 @@ class OmniflowConnector(KVConnectorBase_V1):
             except Exception as exc:
                 self.stats["errors"] += 1
                 log.warning("storing %d pages at the kv-agent failed: %s", len(hashes), exc)
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> OmniflowConnectorStats | None:
+        return OmniflowConnectorStats(data=dict(data or {}))
+
+    def get_kv_connector_stats(self) -> OmniflowConnectorStats | None:
+        now = dict(self.stats)
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        return OmniflowConnectorStats(data=delta) if any(delta.values()) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._failed = self._failed, set()
