@@ -24,6 +24,7 @@ from omniflow_services.worker.engine.config import EngineConfig
 from omniflow_services.worker.engine.connector import BlockEventSink, KVConnector
 from omniflow_services.worker.engine.decode_kv import DecodeKV
 from omniflow_services.worker.engine.detok import Detokenizer
+from omniflow_services.worker.engine.kv_loads import FetchedPages, KVLoads
 from omniflow_services.worker.engine.kv_pool import KVPool
 from omniflow_services.worker.engine.loader import load_model
 from omniflow_services.worker.engine.model import SeqInput, build_batch
@@ -88,6 +89,8 @@ class Engine:
         )
         self.connector = connector
         self.events = events
+        # Prefixes from the data plane load off the step thread (see kv_loads).
+        self._loads = KVLoads(connector, self.layout) if connector is not None else None
         self.stats = EngineStats()
         self._device = torch.device(cfg.device)
         self._seqs: dict[str, SeqState] = {}
@@ -228,7 +231,9 @@ class Engine:
     def load(self) -> EngineLoad:
         return EngineLoad(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting) + len(self._incoming),
+            waiting=len(self.scheduler.waiting)
+            + len(self._incoming)
+            + (len(self._loads) if self._loads is not None else 0),
             free_pages=self.cache.num_free,
             total_pages=self.pool.num_pages,
         )
@@ -249,16 +254,49 @@ class Engine:
                 )
             )
 
-    def _match_prefix(self, seq: SeqState) -> None:
-        """Reuse device pages, then connector pages, for the longest known prefix."""
+    def _prefix_limit(self, seq: SeqState) -> int:
         self._extend_hashes(seq)
-        ps = self.layout.page_size
         # At least one token must be computed to produce the next token's logits.
-        limit = min(len(seq.hashes), (len(seq.tokens) - 1) // ps)
+        return min(len(seq.hashes), (len(seq.tokens) - 1) // self.layout.page_size)
+
+    def _start_load(self, seq: SeqState) -> bool:
+        """Start fetching the pages beyond the device pool's prefix; True if one started."""
+        if self._loads is None or not self.cache.enabled:
+            return False
+        limit = self._prefix_limit(seq)
+        have = 0
+        while have < limit and self.cache.page_of(seq.hashes[have]) is not None:
+            have += 1
+        if have >= limit:
+            return False
+        self._loads.start(seq, seq.hashes[have:limit], have)
+        self.stats.async_loads += 1
+        return True
+
+    def _deliver(self, seq: object, fetched: FetchedPages) -> None:
+        """A fetch finished: the request joins the queue (unless it was aborted meanwhile)."""
+        assert isinstance(seq, SeqState)
+        if fetched.failed:
+            self.stats.connector_failures += 1
+        with self._id_lock:
+            alive = self._seqs.get(seq.request_id) is seq
+        if not alive:
+            return
+        seq.fetched = fetched if fetched.blobs else None
+        self.scheduler.add(seq)
+
+    def _match_prefix(self, seq: SeqState) -> None:
+        """Reuse device pages, then the pages fetched for it, for the longest known prefix."""
+        ps = self.layout.page_size
+        limit = self._prefix_limit(seq)
         pages = self.cache.match(seq.hashes[:limit])
         device_hits = len(pages)
-        if self.connector is not None and len(pages) < limit and self.cache.enabled:
-            pages += self._fetch_from_connector(seq.hashes[len(pages) : limit])
+        got, seq.fetched = seq.fetched, None
+        # Fetched pages count only if they continue the device prefix (it may have changed).
+        if got is not None and got.start <= len(pages) < limit:
+            usable = got.blobs[len(pages) - got.start : limit - got.start]
+            if usable:
+                pages += self._import_fetched(seq.hashes[len(pages) :], usable)
         seq.pages = pages
         seq.num_computed = len(pages) * ps
         seq.registered = len(pages)
@@ -269,20 +307,8 @@ class Engine:
             self.stats.device_hit_tokens += device_hits * ps
             self.stats.connector_hit_tokens += (len(pages) - device_hits) * ps
 
-    def _fetch_from_connector(self, hashes: list[bytes]) -> list[int]:
-        assert self.connector is not None
-        try:
-            blobs = self.connector.fetch_pages(self.layout, hashes)[: len(hashes)]
-            want = self.layout.page_bytes
-            bad = next((i for i, b in enumerate(blobs) if len(b) != want), None)
-            if bad is not None:
-                raise ValueError(f"connector page {bad} has {len(blobs[bad])} bytes, want {want}")
-        except Exception as exc:  # any connector fault means recompute
-            self.stats.connector_failures += 1
-            log.warning("KV connector fetch failed, recomputing: %s", exc)
-            return []
-        if not blobs:
-            return []
+    def _import_fetched(self, hashes: list[bytes], blobs: list[bytes]) -> list[int]:
+        """Copy fetched pages into newly allocated pool pages and register their hashes."""
         pages = self.cache.allocate(len(blobs))
         if pages is None:
             return []
@@ -325,7 +351,11 @@ class Engine:
 
     def _drain(self, outputs: list[RequestOutput]) -> None:
         while self._incoming:
-            self.scheduler.add(self._incoming.popleft())
+            seq = self._incoming.popleft()
+            if not self._start_load(seq):
+                self.scheduler.add(seq)
+        if self._loads is not None:
+            self._loads.collect(self._deliver)
         while self._aborts:
             rid = self._aborts.popleft()
             seq = self._seqs.get(rid)
@@ -374,6 +404,11 @@ class Engine:
         outputs: list[RequestOutput] = []
         self._drain(outputs)
         scheduled = self.scheduler.schedule()
+        if not scheduled and self._loads is not None and len(self._loads):
+            # Only prefix loads are pending: wait for one rather than spin the step loop.
+            self._loads.wait(0.05)
+            self._loads.collect(self._deliver)
+            scheduled = self.scheduler.schedule()
         if scheduled:
             self._run(scheduled, outputs)
         self._publish_events()

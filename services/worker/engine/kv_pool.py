@@ -6,10 +6,13 @@ is already the ``[heads, tokens, dim]`` shape attention wants, with no second co
 
 A page on the wire (export/import) is in the byte order of ``KVLayout.page_shape``,
 ``[2 (K, V), num_layers, num_kv_heads, page_size, head_dim]`` of native little-endian
-``KVLayout.dtype`` elements; export and import convert with one gather/scatter.
+``KVLayout.dtype`` elements; export converts with one gather, import copies each page once
+from the received buffer into the pool.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -72,10 +75,11 @@ class KVPool:
         for b in blobs:
             if len(b) != want:
                 raise InvalidArgument(f"page blob has {len(b)} bytes; the layout needs {want}")
-        if not pages:
-            return
-        raw = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
-        shape = (len(pages), *self.layout.page_shape)
-        tensor = raw.view(self.dtype).reshape(shape).permute(1, 2, 3, 0, 4, 5)
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        self.data.index_copy_(3, idx, tensor.to(self.device))
+        shape = self.layout.page_shape
+        with warnings.catch_warnings():
+            # frombuffer warns that bytes are read-only; they are only read here.
+            warnings.simplefilter("ignore", UserWarning)
+            for page, blob in zip(pages, blobs, strict=True):
+                # One copy per page, straight from the received buffer into the pool.
+                src = torch.frombuffer(blob, dtype=torch.uint8).view(self.dtype).view(shape)
+                self.data[:, :, :, page].copy_(src)

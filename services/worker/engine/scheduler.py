@@ -54,6 +54,7 @@ class SeqState:
     want_kv: bool = False
     penalty: Any = None  # PenaltyState when the request uses a penalty
     uid: int = -1  # unique per request in this engine (keys the decode K/V copy)
+    fetched: Any = None  # FetchedPages from the data plane, imported at admission
 
     @property
     def num_output(self) -> int:

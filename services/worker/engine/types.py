@@ -89,7 +89,8 @@ class EngineLoad:
 
 @dataclass(slots=True)
 class EngineStats:
-    """Counters since start; ``connector_failures`` counts fetch/store faults (recomputed)."""
+    """Counters since start; ``connector_failures`` counts fetch/store faults (recomputed);
+    ``async_loads`` counts prefix fetches that ran while the batch kept stepping."""
 
     steps: int = 0
     batched_tokens: int = 0
@@ -101,3 +102,4 @@ class EngineStats:
     connector_failures: int = 0
     event_failures: int = 0
     preemptions: int = 0
+    async_loads: int = 0
