@@ -16,14 +16,24 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+def _channel(address: str) -> grpc.Channel:
+    """Plaintext, or mutual TLS with the service's own certificate when OMNIFLOW_TLS=on."""
+    if os.environ.get("OMNIFLOW_TLS", "off") != "on":
+        return grpc.insecure_channel(address)
+    files = [os.environ[v] for v in ("OMNIFLOW_TLS_CA", "OMNIFLOW_TLS_KEY", "OMNIFLOW_TLS_CERT")]
+    ca, key, cert = (Path(f).read_bytes() for f in files)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert))
+
+
 def check(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
     """One health check; returns (healthy, what was seen)."""
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
