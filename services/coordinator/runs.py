@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -51,12 +50,17 @@ from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.errors import (
     InvalidArgument,
     NotFound,
-    OmniflowError,
     ResourceExhausted,
     Unavailable,
 )
 from omniflow.values import VType, check_type, from_python, to_python
-from omniflow_services.coordinator import metrics
+from omniflow_services.coordinator import adoption, metrics
+from omniflow_services.coordinator.adoption import (
+    ACTIVE_KEY,
+    lease_key,
+    now_ms,
+    run_key,
+)
 from omniflow_services.coordinator.calls import (
     PickAhead,
     WorkerCaller,
@@ -74,7 +78,6 @@ from omniflow_services.coordinator.limits import RunLimits, check_inputs_size
 
 log = logging.getLogger(__name__)
 
-ACTIVE_KEY = "omniflow:runs:active"
 
 # One script per flush (a third cheaper than a pipeline of its commands): append the new
 # events, store the record; on the final write (a TTL given) expire both and leave the
@@ -96,29 +99,6 @@ else
 end
 return 1
 """
-# Claim an orphaned run: only if the entry still names the dead owner and (unless it is
-# the claimant itself, restarted) that owner's lease is still missing.
-# KEYS: active set, the owner's lease. ARGV: run id, owner, claimant.
-_CLAIM = """
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
-if ARGV[2] ~= ARGV[3] and redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-return 1
-"""
-TERMINAL = (cpb.RUN_STATE_SUCCEEDED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_CANCELLED)
-MAX_RESUMES = 1  # a run that kills its coordinators is not run a third time
-
-
-def lease_key(owner: str) -> str:
-    return f"omniflow:coordinator:{owner}:lease"
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def run_key(run_id: str) -> str:
-    return f"omniflow:run:{run_id}"
 
 
 class LiveRun:
@@ -141,7 +121,7 @@ class LiveRun:
     def event(self, **event: Any) -> cpb.RunEvent:
         """The next event (not yet visible to listeners: see ``publish``)."""
         seq = len(self.events) + 1
-        return cpb.RunEvent(run_id=self.run.run_id, seq=seq, unix_ms=_now_ms(), **event)
+        return cpb.RunEvent(run_id=self.run.run_id, seq=seq, unix_ms=now_ms(), **event)
 
     def publish(self, ev: cpb.RunEvent, at_once: bool = False) -> None:
         self.events.append(ev)
@@ -165,7 +145,7 @@ class LiveRun:
     def node_started(self, path: str, worker_id: str, attempt: int) -> None:
         state = self.nodes.get(path)
         if state is None:
-            state = self.nodes[path] = cpb.NodeState(node=path, started_unix_ms=_now_ms())
+            state = self.nodes[path] = cpb.NodeState(node=path, started_unix_ms=now_ms())
         state.state, state.worker_id, state.attempts = cpb.RUN_STATE_RUNNING, worker_id, attempt
         self.emit(node_started=cpb.NodeStarted(node=path, worker_id=worker_id, attempt=attempt))
 
@@ -174,8 +154,8 @@ class LiveRun:
         self.emit(node_output=cpb.NodeOutputChunk(node=path, output=output, chunk=value))
 
     def node_finished(self, path: str, state: int, error: str, duration_ms: float) -> None:
-        ns = self.nodes.setdefault(path, cpb.NodeState(node=path, started_unix_ms=_now_ms()))
-        ns.state, ns.error, ns.finished_unix_ms = state, error, _now_ms()  # type: ignore[assignment]
+        ns = self.nodes.setdefault(path, cpb.NodeState(node=path, started_unix_ms=now_ms()))
+        ns.state, ns.error, ns.finished_unix_ms = state, error, now_ms()  # type: ignore[assignment]
         self.emit(
             node_finished=cpb.NodeFinished(
                 node=path,
@@ -223,8 +203,8 @@ class RunManager:
         # Runs reported failed because their final record could not be written; the
         # flush loop writes them once Redis answers (GetRun answers from here meanwhile).
         self.unrecorded: dict[str, tuple[LiveRun, cpb.RunEvent]] = {}
-        self._suspects: set[tuple[str, str]] = set()  # (run, owner) seen without a lease
-        self._claim = redis.register_script(_CLAIM)
+        self.suspects: set[tuple[str, str]] = set()  # (run, owner) seen without a lease
+        self.claim = redis.register_script(adoption.CLAIM)
         self.limits: dict[str, NodeLimits] = {}
         self._background: list[asyncio.Task[None]] = []
         self._write = redis.register_script(_WRITE)
@@ -242,105 +222,8 @@ class RunManager:
         return orphaned
 
     async def recover(self, confirm: bool = False) -> int:
-        """Adopt the active runs whose coordinator is gone (resume or fail each); returns
-        how many.
-
-        With ``confirm`` (the periodic sweep) a run of another coordinator is adopted only
-        when its lease was missing on the previous sweep too, so that a coordinator that
-        lost Redis for a moment has renewed its lease before anyone takes its runs."""
-        active = await self.redis.hgetall(ACTIVE_KEY)
-        failed = resumed = 0
-        suspects: set[tuple[str, str]] = set()
-        for raw_id, raw_owner in active.items():
-            run_id, owner = raw_id.decode(), raw_owner.decode()
-            if run_id in self.live or run_id in self.unrecorded:
-                continue
-            if owner != self.owner_id:
-                if await self.redis.exists(lease_key(owner)):
-                    continue
-                if confirm and (run_id, owner) not in self._suspects:
-                    suspects.add((run_id, owner))
-                    continue
-            if not await self._claim(
-                keys=[ACTIVE_KEY, lease_key(owner)], args=[run_id, owner, self.owner_id]
-            ):
-                continue  # another coordinator adopted it, or its owner came back
-            if await self._resume_orphan(run_id, owner):
-                resumed += 1
-                continue
-            await self._fail_orphan(run_id, owner)
-            failed += 1
-        self._suspects = suspects
-        if failed or resumed:
-            log.warning("adopted interrupted runs: %d resumed, %d marked failed", resumed, failed)
-        return failed + resumed
-
-    async def _resume_orphan(self, run_id: str, owner: str) -> bool:
-        """Run an adopted run again from its recorded inputs under the same id; False
-        when it cannot be (the caller then fails it)."""
-        if not self.resume_orphans or len(self.live) >= self.max_runs:
-            return False
-        key = run_key(run_id)
-        data = await self.redis.get(key)
-        if data is None:
-            return False  # never flushed: its inputs are not recorded
-        run = cpb.Run()
-        run.ParseFromString(data)
-        if run.state in TERMINAL:
-            return False
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.incr(f"{key}:resumed")
-            pipe.expire(f"{key}:resumed", int(self.run_ttl_s))
-            resumes, _ = await pipe.execute()
-        if int(resumes) > MAX_RESUMES:
-            return False
-        try:
-            graph = await self.catalogue.get(run.workflow, run.version)
-            values = self._check_inputs(graph, run.inputs)
-        except OmniflowError as exc:
-            log.warning("run %s cannot be resumed: %s", run_id, exc)
-            return False
-        stored = await self.redis.lrange(f"{key}:events", 0, -1)
-        del run.nodes[:]
-        live = LiveRun(run)
-        for raw in stored:
-            ev = cpb.RunEvent()
-            ev.ParseFromString(raw)
-            live.events.append(ev)
-        live.flushed = len(live.events)
-        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        live.registered = done  # the claim is its active entry
-        self.live[run_id] = live
-        metrics.run_started()
-        span = telemetry.tracer().start_span(f"run {graph.name} (resumed)")
-        span.set_attribute("omniflow.run_id", run_id)
-        log.warning("run %s of coordinator %s: resumed from its inputs", run_id, owner)
-        with trace.use_span(span, end_on_exit=False):
-            live.task = asyncio.create_task(
-                self._execute(live, graph, values, graph.default_deadline_ms, span, {})
-            )
-        return True
-
-    async def _fail_orphan(self, run_id: str, owner: str) -> None:
-        data = await self.redis.get(run_key(run_id))
-        run = cpb.Run()
-        if data is not None:
-            run.ParseFromString(data)
-        if run.state not in TERMINAL:
-            reason = (
-                f"interrupted: coordinator {owner} restarted or died while the run was in progress"
-            )
-            run.state, run.error, run.finished_unix_ms = cpb.RUN_STATE_FAILED, reason, _now_ms()
-            seq = await self.redis.llen(f"{run_key(run_id)}:events")
-            ev = cpb.RunEvent(run_id=run_id, seq=seq + 1, unix_ms=_now_ms())
-            ev.run_finished.state, ev.run_finished.error = cpb.RUN_STATE_FAILED, reason
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.set(run_key(run_id), run.SerializeToString(), ex=int(self.run_ttl_s))
-                pipe.rpush(f"{run_key(run_id)}:events", ev.SerializeToString())
-                pipe.expire(f"{run_key(run_id)}:events", int(self.run_ttl_s))
-                await pipe.execute()
-        await self.redis.hdel(ACTIVE_KEY, run_id)
+        """Adopt the active runs whose coordinator is gone (see ``adoption``)."""
+        return await adoption.recover(self, confirm)
 
     async def _refresh_lease(self) -> None:
         await self.redis.set(lease_key(self.owner_id), "1", px=int(self.lease_ttl_s * 1000))
@@ -515,7 +398,7 @@ class RunManager:
             version=graph.version,
             state=cpb.RUN_STATE_RUNNING,
             inputs=dict(inputs),
-            created_unix_ms=_now_ms(),
+            created_unix_ms=now_ms(),
         )
         span.set_attribute("omniflow.run_id", run_id)
         run.trace_id = current_trace_id()
@@ -578,13 +461,13 @@ class RunManager:
         self._release(executor.early)  # picks of nodes that never ran (a switch, a failure)
         for ns in live.nodes.values():
             if ns.state == cpb.RUN_STATE_RUNNING:
-                ns.state, ns.finished_unix_ms = cpb.RUN_STATE_CANCELLED, _now_ms()
+                ns.state, ns.finished_unix_ms = cpb.RUN_STATE_CANCELLED, now_ms()
         try:
             out_values = {k: from_python(v, f"output {k!r}") for k, v in outputs.items()}
         except InvalidArgument as exc:
             state, error, out_values = cpb.RUN_STATE_FAILED, str(exc), {}
         run = live.run
-        run.state, run.error, run.finished_unix_ms = state, error, _now_ms()  # type: ignore[assignment]
+        run.state, run.error, run.finished_unix_ms = state, error, now_ms()  # type: ignore[assignment]
         for k, v in out_values.items():
             run.outputs[k].CopyFrom(v)
         finished = live.event(
