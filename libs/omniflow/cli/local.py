@@ -29,6 +29,7 @@ from pathlib import Path
 from omniflow.cli.topology import Topology
 from omniflow.localredis import redact_url, start_redis
 from omniflow.rpc.client import check_health
+from omniflow.security import local as local_security
 
 STATE = "state.json"
 SUPERVISOR = "omniflow.cli.supervise"
@@ -259,8 +260,16 @@ async def up(topology: Topology, start_timeout_s: float = 120.0) -> int:
             )
             print(f"started redis-server (pid {redis.pid}) at {redact_url(redis_url)}")
         env["OMNIFLOW_REDIS_URL"] = redis_url
-        for name, module, extra in _plan(topology):
-            proc = _spawn(folder, name, module, {**env, **extra})
+        plan = _plan(topology)
+        pki = None
+        if local_security.enabled():  # mutual TLS and auth (docs/security.md); opt-in for now
+            pki = local_security.prepare(folder, topology.node, [(n, m) for n, m, _ in plan])
+            local_security.use_local_security(folder)
+        else:
+            local_security.clear(folder)
+        for name, module, extra in plan:
+            secure = pki.env_for(name, module) if pki else {}
+            proc = _spawn(folder, name, module, {**env, **extra, **secure})
             procs.append(proc)
             _save_state(folder, procs, env)
             print(f"starting {name} (pid {proc.pid}) ...", flush=True)
@@ -330,6 +339,7 @@ def stop_all(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
 
 
 async def status() -> int:
+    local_security.use_local_security(run_dir())
     procs, _ = _load_state(run_dir())
     if not procs:
         print(f"nothing is running (no state in {run_dir()})")

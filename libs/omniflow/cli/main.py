@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("omniflow", "WARNING")
     try:
         if args.command in workflow_cli.COMMANDS:
+            from omniflow.cli.local import run_dir
+            from omniflow.security.local import use_local_security
+
+            use_local_security(run_dir())  # a secured `omniflow up`: its client certificate
             return workflow_cli.dispatch(args)
         if args.command == "up":
             from omniflow.cli import local
