@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from omniflow.api.common.v1 import common_pb2
@@ -107,6 +108,10 @@ def test_up_with_tls_and_auth(tmp_path: Path) -> None:
         status = _run(["status"], env)
         assert status.returncode == 0, status.stdout + status.stderr
         asyncio.run(_exercise(run_dir, procs["coordinator"]["address"]))
+        # The gateway is one more client under the same rules: its calls go over TLS.
+        models = httpx.get(f"{procs['gateway']['address']}/v1/models", timeout=30)
+        assert models.status_code == 200, models.text
+        assert models.json()["data"], models.text
         # A crashed router comes back (the supervisor restarts it with its saved env, its
         # certificate included) and serves TLS again.
         os.kill(procs["router"]["pid"], signal.SIGKILL)
