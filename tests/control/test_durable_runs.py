@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
+from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.client import Client
 from omniflow.dsl import VType, Workflow, register_operation
 from omniflow.errors import Unavailable
@@ -138,6 +139,19 @@ async def test_unrecorded_run_fails_unavailable_and_redis_down_is_unavailable(
             await client.list_workflows()
         with pytest.raises(Unavailable):
             await client.get_run("no-such-run")
+        # The router's index path: a kv_aware pick still lands, by load, and says why.
+        async with open_channel(procs["router"].address) as channel:
+            pick = await router_pb2_grpc.RouterServiceStub(channel).Pick(
+                router_pb2.PickRequest(
+                    role="echo",
+                    strategy=router_pb2.STRATEGY_KV_AWARE,
+                    kv_namespace="ab" * 16,
+                    block_hashes=[b"\x01" * 16, b"\x02" * 16],
+                )
+            )
+        assert pick.worker.worker_id == "echo-0"
+        # ("failed (UNAVAILABLE)" or "timed out": the router's Redis client retries first)
+        assert pick.fallback_reason.startswith("kv index "), pick.fallback_reason
 
         _restart(durable_redis)
         db = aioredis.from_url(server.url)
