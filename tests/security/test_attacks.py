@@ -27,6 +27,7 @@ from omniflow.dsl import VType, Workflow, register_operation
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.kv.checksum import page_checksum
 from omniflow.kv.wire import layout_to_proto
+from omniflow.security.identity import forwarded
 
 pytestmark = pytest.mark.integration
 
@@ -203,6 +204,30 @@ async def test_list_read_and_cancel_other_runs(secured) -> None:
         assert await code_of(b.SubmitRun(steal)) == grpc.StatusCode.PERMISSION_DENIED
         again = (await a.GetRun(coordinator_pb2.GetRunRequest(run_id=run_id))).run
         assert again.outputs["text"].text == "HELLO"
+
+
+async def test_only_forwarding_services_may_name_a_tenant(secured) -> None:
+    inputs = {"text": common_pb2.Value(text="fwd")}
+    async with secured.channel("coordinator", token="a") as ch:
+        a = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        await a.RegisterWorkflow(upper_workflow("sec-fwd-a"))
+        submit = coordinator_pb2.SubmitRunRequest(workflow="sec-fwd-a", inputs=inputs)
+        run_id = (await a.SubmitRun(submit)).run_id
+    get = coordinator_pb2.GetRunRequest(run_id=run_id)
+    # A coordinator (a forwarder, like the gateway) acting for tenant-a sees the run; acting
+    # for tenant-b it does not.
+    async with secured.channel("coordinator", "coord") as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        run = (await stub.GetRun(get, metadata=forwarded("tenant-a"))).run
+        assert run.run_id == run_id
+        code = await code_of(stub.GetRun(get, metadata=forwarded("tenant-b")))
+        assert code == grpc.StatusCode.NOT_FOUND
+    # A plain client or a worker naming a tenant is not believed.
+    for caller in ("client", "worker1"):
+        async with secured.channel("coordinator", caller) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            code = await code_of(stub.GetRun(get, metadata=forwarded("tenant-a")))
+            assert code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND), code
 
 
 # -- generations ---------------------------------------------------------------------------

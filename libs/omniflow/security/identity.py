@@ -34,6 +34,13 @@ FORWARDERS = frozenset({"gateway", "coordinator", "router"})
 TENANT_HEADER = "x-omniflow-tenant"
 ROLES_HEADER = "x-omniflow-roles"
 
+
+def forwarded(tenant: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata of a forwarding service (gateway, coordinator, router) acting for
+    ``tenant``: the next service checks the call as that tenant's."""
+    return ((TENANT_HEADER, tenant),)
+
+
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
