@@ -36,6 +36,7 @@ from omniflow.kv.arena import HostArena
 from omniflow.kv.blocks import HASH_BYTES, KVLayout
 from omniflow.kv.checksum import page_checksum
 from omniflow.kv.wire import layout_to_proto
+from omniflow.rpc.client import sync_channel
 from omniflow.rpc.status import error_from_rpc
 from omniflow_services.worker.sglang_pages import batched
 
@@ -154,12 +155,12 @@ class AgentPageStore:
         self.max_batch = max_batch
         self.stats = TransportStats()
         self.agent_id = ""
-        self._agent_channel = grpc.insecure_channel(agent_address, options=_GRPC_OPTIONS)
+        self._agent_channel = sync_channel(agent_address, options=_GRPC_OPTIONS)
         self._agent = kvagent_pb2_grpc.KVAgentServiceStub(self._agent_channel)
         self._index_channel: grpc.Channel | None = None
         self._index: kvindex_pb2_grpc.KVIndexServiceStub | None = None
         if index_address:
-            self._index_channel = grpc.insecure_channel(index_address, options=_GRPC_OPTIONS)
+            self._index_channel = sync_channel(index_address, options=_GRPC_OPTIONS)
             self._index = kvindex_pb2_grpc.KVIndexServiceStub(self._index_channel)
         self._arenas: dict[str, HostArena] = {}
         self._lock = threading.Lock()  # the arena map; gRPC stubs are thread-safe
