@@ -92,6 +92,12 @@ class WrappingServer:
 
     def finish(self) -> None:
         """Pass through handlers that never came as a dict (hand-written generic ones)."""
+        if self._pending and self._security is not None:
+            # Fail closed: a handler the policy cannot wrap would serve unchecked.
+            raise RuntimeError(
+                f"{len(self._pending)} generic handler(s) cannot be checked by the policy "
+                "with OMNIFLOW_AUTH=on; register servicers through add_*Servicer_to_server"
+            )
         if self._pending:
             self._server.add_generic_rpc_handlers(tuple(self._pending))
             self._pending = []
