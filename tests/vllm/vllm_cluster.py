@@ -8,11 +8,13 @@ test of a module; each process is ended by PID at teardown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -47,12 +49,15 @@ def vllm_ready() -> str:
     """Why the vLLM backend tests cannot run here ('' when they can)."""
     if not VLLM_PYTHON.exists():
         return f"needs vLLM's virtualenv at {VLLM_VENV} (run scripts/setup_vllm_venv.sh)"
+    # vllm is there, and omniflow is installed from this checkout (the editable install
+    # may point at another clone, e.g. CI's).
     probe = (
-        "import importlib.util as u, sys; "
-        "sys.exit(0 if u.find_spec('vllm') and u.find_spec('omniflow_services') else 1)"
+        "import importlib.util as u, sys; s = u.find_spec('omniflow_services'); "
+        "sys.exit(0 if u.find_spec('vllm') and s and s.submodule_search_locations "
+        f"and list(s.submodule_search_locations)[0].startswith({str(ROOT)!r}) else 1)"
     )
     if subprocess.run([str(VLLM_PYTHON), "-c", probe], check=False).returncode != 0:
-        return f"{VLLM_PYTHON} lacks vllm or omniflow (run scripts/setup_vllm_venv.sh)"
+        return f"{VLLM_PYTHON} lacks vllm, or omniflow from {ROOT} (run scripts/setup_vllm_venv.sh)"
     return ""
 
 
@@ -135,22 +140,32 @@ class VLLMCluster:
         )  # fmt: skip
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.popen.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
-            # vLLM's engine core and worker processes share the worker's process group.
-            try:
-                os.killpg(proc.popen.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        """SIGTERM every process, then end what is left of each worker's process group
+        (vLLM's engine processes) while the worker is still unreaped: a zombie's pid, and so
+        its group id, cannot be reused by another process meanwhile (pid_max is small)."""
+        live = [p for p in self.procs if p.popen.returncode is None]
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.popen.pid, signal.SIGTERM)  # not send_signal: it may reap
+        for proc in live:
+            pid = proc.popen.pid
+            end = time.monotonic() + 20
+            while not _exited(pid) and time.monotonic() < end:
+                time.sleep(0.1)
+            if not _exited(pid):
+                os.kill(pid, signal.SIGKILL)
+                while not _exited(pid):
+                    time.sleep(0.05)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            proc.popen.wait()
         for path in Path("/dev/shm").glob(f"*{self.tag}*"):
             path.unlink(missing_ok=True)
+
+
+def _exited(pid: int) -> bool:
+    """Whether child ``pid`` has exited, without reaping it."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
 def metric(proc: ServiceProc, series: str) -> float:

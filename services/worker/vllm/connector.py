@@ -21,13 +21,17 @@ Scheduler side (vLLM's EngineCore process):
 - ``request_finished``: forgets the request (saves copy the pages out at once, so vLLM
   frees its blocks at once).
 
-Worker side (vLLM's worker process): ``start_load_kv`` fetches the pages (the local agent
-pulls missing ones from the remote agent first; every page is checksummed) and writes them
-into the blocks before the forward pass; a page that cannot be had fails its block, which
+Worker side (vLLM's worker process): ``start_load_kv`` hands each load to a loader thread,
+which fetches the pages (the local agent pulls missing ones from the remote agent first;
+every page is checksummed) and writes them into the request's blocks, while vLLM parks the
+request (``WAITING_FOR_REMOTE_KVS``) and the rest of the batch keeps stepping;
+``get_finished`` reports it done. A page that cannot be had fails its block, which
 ``get_block_ids_with_load_errors`` reports, and vLLM recomputes from there
-(``kv_load_failure_policy=recompute``). ``wait_for_save`` copies completed pages out of the
-blocks and a writer thread stores them at the agent (zero-copy into its arena on the same
-node), off the step. Loads are synchronous within the step (``load_kv_async`` False).
+(``kv_load_failure_policy=recompute``). A request that ends while its load runs keeps its
+blocks until the loader is done with them (``request_finished`` → True, released through
+``get_finished``). ``"load_async": false`` loads inside the step instead, before the
+forward pass. ``wait_for_save`` copies completed pages out of the blocks and a writer
+thread stores them at the agent (zero-copy into its arena on the same node), off the step.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -85,6 +91,7 @@ class ConnectorConfig:
     timeout_s: float = 10.0
     save: bool = True
     load: bool = True
+    load_async: bool = True  # a request waits for its pages apart; the batch steps on
     max_queued_saves: int = 64
 
     @classmethod
@@ -120,6 +127,7 @@ class ConnectorConfig:
             timeout_s=timeout,
             save=bool(extra.get("save", True)),
             load=bool(extra.get("load", True)),
+            load_async=bool(extra.get("load_async", True)),
         )
 
 
@@ -177,6 +185,9 @@ class SaveJob:
 class OmniflowConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    # Requests that ended while their pages were loading: vLLM frees their blocks once the
+    # worker reports them (get_finished's "sending" set), never under a running load.
+    held: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -258,10 +269,17 @@ class OmniflowConnector(KVConnectorBase_V1):
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadJob] = []
+        self._loading: dict[str, set[int]] = {}  # async loads not reported done: their blocks
+        self._no_retry: set[str] = set()  # a load of theirs failed: recompute, no new lookup
+        self._held: list[str] = []
         # worker side
         self._caches: list[torch.Tensor] = []
         self._format: BlockFormat | None = None
         self._failed: set[int] = set()
+        self._failed_lock = threading.Lock()
+        self._loader: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future[None]] = {}
+        self._to_release: set[str] = set()
         self._saves: queue.Queue[tuple[list[bytes], torch.Tensor] | None] = queue.Queue(
             self.config.max_queued_saves
         )
@@ -304,7 +322,7 @@ class OmniflowConnector(KVConnectorBase_V1):
         if t is None:
             t = self._tracked[request.request_id] = _Tracked(request)
         t.local_tokens = num_computed_tokens
-        if not self.config.load:
+        if not self.config.load or request.request_id in self._no_retry:
             return 0, False
         prompt = request.prompt_token_ids or []
         # vLLM must compute at least the last prompt token; loads are whole blocks.
@@ -324,7 +342,7 @@ class OmniflowConnector(KVConnectorBase_V1):
         extra = max(0, reach - num_computed_tokens)
         if extra:
             self.stats["matched_tokens"] += extra
-        return extra, False
+        return extra, bool(extra) and self.config.load_async
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -344,10 +362,12 @@ class OmniflowConnector(KVConnectorBase_V1):
         per = self.block_size // self.page_size
         chain = self._chain(request, (first + count) * per)
         self._loads.append(LoadJob(rid, block_ids[first : first + count], chain[first * per :]))
+        if self.config.load_async:
+            self._loading[rid] = set(block_ids[first : first + count])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = OmniflowConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = OmniflowConnectorMetadata(loads=self._loads, held=self._held)
+        self._loads, self._held = [], []
         if not self.config.save:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
@@ -384,10 +404,25 @@ class OmniflowConnector(KVConnectorBase_V1):
         t.saved = full
         meta.saves.append(SaveJob(t.request.request_id, pages))
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # A failed load goes back to vLLM's queue with nothing loaded: it must not ask the
+        # agents again (the index may name the failed source until its lease lapses).
+        invalid = connector_output.invalid_block_ids or set()
+        if invalid:
+            self._no_retry.update(r for r, blocks in self._loading.items() if blocks & invalid)
+        for rid in connector_output.finished_recving or ():
+            self._loading.pop(rid, None)
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._tracked.pop(request.request_id, None)
+        rid = request.request_id
+        self._tracked.pop(rid, None)
+        self._no_retry.discard(rid)
+        if rid in self._loading:  # a load still writes into its blocks: free them later
+            del self._loading[rid]
+            self._held.append(rid)
+            return True, None
         return False, None  # pages were copied out in wait_for_save: free the blocks now
 
     # ==== worker side ========================================================================
@@ -428,8 +463,15 @@ class OmniflowConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, OmniflowConnectorMetadata)
+        for rid in meta.held:
+            self._to_release.add(rid)
         for job in meta.loads:
-            self._load(job)
+            if not self.config.load_async:
+                self._load(job)
+                continue
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(1, thread_name_prefix="omniflow-kv-load")
+            self._pending[job.request_id] = self._loader.submit(self._load, job)
 
     def _load(self, job: LoadJob) -> None:
         fmt = self._format
@@ -451,7 +493,8 @@ class OmniflowConnector(KVConnectorBase_V1):
         failed = job.block_ids[whole:]
         if failed:
             self.stats["failed_blocks"] += len(failed)
-            self._failed.update(failed)
+            with self._failed_lock:  # before the load counts as done (get_finished)
+                self._failed.update(failed)
             log.info(
                 "request %s: %d of %d blocks loaded from the kv-agent; vLLM recomputes the rest",
                 job.request_id,
@@ -524,11 +567,26 @@ class OmniflowConnector(KVConnectorBase_V1):
         self._reported = now
         return OmniflowConnectorStats(data=delta) if any(delta.values()) else None
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose held blocks may be freed, requests whose pages are in)."""
+        recving: set[str] = set()
+        for rid, fut in list(self._pending.items()):
+            if fut.done():
+                del self._pending[rid]
+                if rid not in self._to_release:
+                    recving.add(rid)
+        released = {rid for rid in self._to_release if rid not in self._pending}
+        self._to_release -= released
+        return released or None, recving or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._failed = self._failed, set()
+        with self._failed_lock:
+            out, self._failed = self._failed, set()
         return out
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
         if self._writer is not None:
             self._saves.put(None)
             self._writer.join(timeout=self.config.timeout_s)
