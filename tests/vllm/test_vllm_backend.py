@@ -51,25 +51,35 @@ PROMPTS = {
 }
 
 
-async def generate(address: str, ids: list[int], rid: str) -> worker_pb2.GenerateResponse:
-    """One greedy Generate; the last reply with every streamed token id gathered in it."""
+async def generate(
+    address: str, ids: list[int], rid: str, top_logprobs: int = -1
+) -> worker_pb2.GenerateResponse:
+    """One greedy Generate (with logprobs when ``top_logprobs`` >= 0); the last reply with
+    every streamed token id, text and logprob gathered in it."""
     out: list[int] = []
     text: list[str] = []
+    lps: list[float] = []
+    tops: list[worker_pb2.TopLogprobs] = []
     last = None
+    sampling = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    if top_logprobs >= 0:
+        sampling.logprobs, sampling.top_logprobs = True, top_logprobs
     async with open_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         request = worker_pb2.GenerateRequest(
-            request_id=rid,
-            token_ids=common_pb2.TokenIds(ids=ids),
-            sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+            request_id=rid, token_ids=common_pb2.TokenIds(ids=ids), sampling=sampling
         )
         async for reply in stub.Generate(request, timeout=300):
             out.extend(reply.token_ids)
             text.append(reply.text)
+            lps.extend(reply.logprobs)
+            tops.extend(reply.top_logprobs)
             last = reply
     assert last is not None and last.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED
-    del last.token_ids[:]
+    del last.token_ids[:], last.logprobs[:], last.top_logprobs[:]
     last.token_ids.extend(out)
+    last.logprobs.extend(lps)
+    last.top_logprobs.extend(tops)
     last.text = "".join(text)
     return last
 
@@ -104,7 +114,7 @@ async def worker_namespace(address: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(vllm_cluster: VLLMCluster) -> dict[str, list[int]]:
+def reference_full(vllm_cluster: VLLMCluster) -> dict[str, dict]:
     """vLLM alone, before any worker starts (the machine has two cores)."""
     names = list(PROMPTS)
     # kill-b is recomputed whole by the worker (its prefix cannot be loaded).
@@ -113,6 +123,11 @@ def reference(vllm_cluster: VLLMCluster) -> dict[str, list[int]]:
         vllm_cluster.model, [PROMPTS[n] for n in names], MAX_TOKENS, vllm_cluster.tmp, fresh
     )
     return dict(zip(names, out, strict=True))
+
+
+@pytest.fixture(scope="module")
+def reference(reference_full) -> dict[str, list[int]]:
+    return {name: r["ids"] for name, r in reference_full.items()}
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +152,14 @@ def nodes(vllm_cluster: VLLMCluster, reference) -> dict[str, str]:
     }
 
 
-async def test_greedy_outputs_equal_vllm_alone(nodes, reference) -> None:
+async def test_greedy_outputs_equal_vllm_alone(nodes, reference, reference_full) -> None:
     for name in ("short", "odd"):
-        reply = await generate(nodes["worker-node-a"], PROMPTS[name], f"eq-{name}")
+        reply = await generate(nodes["worker-node-a"], PROMPTS[name], f"eq-{name}", 3)
         assert list(reply.token_ids) == reference[name], name
+        want = reference_full[name]
+        assert list(reply.logprobs) == pytest.approx(want["logprobs"], abs=1e-4), name
+        assert [list(t.token_ids) for t in reply.top_logprobs] == want["top"], name
+        assert all(len(t.logprobs) == 3 for t in reply.top_logprobs)
         assert reply.usage.prompt_tokens == len(PROMPTS[name])
         assert reply.usage.completion_tokens == len(reference[name])
         assert reply.text  # detokenized by vLLM

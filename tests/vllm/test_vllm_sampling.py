@@ -47,7 +47,10 @@ def test_every_field_reaches_vllm_and_off_means_off() -> None:
         ignore_eos=True,
     )  # fmt: skip
     greedy = SamplingParams(max_tokens=3, temperature=0.0)
-    got, off = vllm_view([sampling_to_vllm(params), sampling_to_vllm(greedy)])
+    scored = SamplingParams(
+        max_tokens=3, presence_penalty=0.5, frequency_penalty=-0.25, logprobs=True, top_logprobs=5
+    )
+    got, off, lp = vllm_view([sampling_to_vllm(p) for p in (params, greedy, scored)])
     assert got["max_tokens"] == 7 and got["seed"] == 3 and got["ignore_eos"] is True
     assert got["top_k"] == 20 and got["stop"] == ["\n\n"] and got["stop_token_ids"] == [2, 5]
     for name, want in (("temperature", 0.7), ("top_p", 0.9), ("min_p", 0.05)):
@@ -58,3 +61,5 @@ def test_every_field_reaches_vllm_and_off_means_off() -> None:
     # Greedy, and every filter off, as vLLM spells "off".
     assert off["temperature"] == 0.0 and off["top_k"] in (0, -1) and off["top_p"] == 1.0
     assert off["stop"] == [] and off["stop_token_ids"] == [] and off["seed"] is None
+    assert lp["presence_penalty"] == 0.5 and lp["frequency_penalty"] == -0.25
+    assert lp["logprobs"] == 5

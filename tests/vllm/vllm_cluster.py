@@ -182,8 +182,9 @@ def metric(proc: ServiceProc, series: str) -> float:
 def run_vllm_alone(
     model: Path, prompts: list[list[int]], max_tokens: int, tmp: Path, fresh: list[bool]
 ) -> list:
-    """Greedy token ids of each prompt from vLLM alone (``LLM.generate`` in its venv, one
-    prompt at a time, the worker's block size and dtype), as a subprocess. A ``fresh``
+    """Greedy outputs of each prompt from vLLM alone (``LLM.generate`` in its venv, one
+    prompt at a time, the worker's block size and dtype), as a subprocess: token ids, their
+    logprobs and the 3 most likely tokens at each position. A ``fresh``
     prompt runs after vLLM's prefix cache is emptied: computing a prefix anew and reusing
     its KV can round differently in bfloat16, so the reference takes the worker's path."""
     script = tmp / "vllm_alone.py"
@@ -194,13 +195,16 @@ def run_vllm_alone(
         "    args = json.loads(sys.argv[1])\n"
         "    llm = LLM(model=args['model'], dtype='bfloat16', block_size=args['block'],\n"
         "              enforce_eager=args['eager'], max_model_len=4096, seed=0)\n"
-        "    sp = SamplingParams(temperature=0.0, max_tokens=args['max_tokens'])\n"
+        "    sp = SamplingParams(temperature=0.0, max_tokens=args['max_tokens'], logprobs=3)\n"
         "    out = []\n"
         "    for p, fresh in zip(args['prompts'], args['fresh']):\n"
         "        if fresh:\n"
         "            llm.reset_prefix_cache()\n"
         "        r = llm.generate([{'prompt_token_ids': p}], sp, use_tqdm=False)[0]\n"
-        "        out.append(list(r.outputs[0].token_ids))\n"
+        "        c = r.outputs[0]\n"
+        "        lps = [s[t].logprob for t, s in zip(c.token_ids, c.logprobs)]\n"
+        "        tops = [sorted(s, key=lambda t: -s[t].logprob)[:3] for s in c.logprobs]\n"
+        "        out.append({'ids': list(c.token_ids), 'logprobs': lps, 'top': tops})\n"
         "    print('RESULT ' + json.dumps(out), flush=True)\n"
         "if __name__ == '__main__':\n"
         "    main()\n"

@@ -31,18 +31,18 @@ import itertools
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omniflow.errors import FailedPrecondition, InvalidArgument, Unavailable
+from omniflow.errors import FailedPrecondition, InvalidArgument, Unavailable, Unimplemented
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.rpc.server import Runtime
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.engine import EngineLoad, RequestOutput, SamplingParams, Usage
 from omniflow_services.worker.engine.config import ModelConfig
 from omniflow_services.worker.engine.loader import load_tokenizer
-from omniflow_services.worker.engine.types import EngineStats
+from omniflow_services.worker.engine.types import EngineStats, TopLogprobs
 from omniflow_services.worker.llm import LLMRole
 from omniflow_services.worker.vllm.events import DeviceIndex, events_endpoint
 from omniflow_services.worker.vllm.pages import cpu_format, opaque_model_id
@@ -58,13 +58,11 @@ PAGE_SIZE = 16  # Omni-Flow pages (DESIGN.md §4.1); a vLLM block holds one or m
 CPU_BLOCK_SIZE = 32  # vLLM CPU's attention accepts only multiples of 32
 GPU_BLOCK_SIZE = 16
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-_OUTPUT_FIELDS = {f.name for f in fields(RequestOutput)}
 
 
 def sampling_to_vllm(p: SamplingParams) -> dict[str, Any]:
     """Our sampling parameters as ``vllm.SamplingParams`` keyword arguments (same meanings;
-    top_k 0 disables it in both). Fields ours may lack (penalties, logprobs) are read with
-    their "off" default, so this works across versions of the engine's dataclass."""
+    top_k 0 disables it in both; logprobs are of the raw distribution in both)."""
     out: dict[str, Any] = {
         "max_tokens": p.max_tokens,
         "temperature": p.temperature,
@@ -72,24 +70,31 @@ def sampling_to_vllm(p: SamplingParams) -> dict[str, Any]:
         "top_k": p.top_k,
         "min_p": p.min_p,
         "repetition_penalty": p.repetition_penalty,
-        "presence_penalty": float(getattr(p, "presence_penalty", 0.0)),
-        "frequency_penalty": float(getattr(p, "frequency_penalty", 0.0)),
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
         "seed": p.seed,
         "stop": list(p.stop) or None,
         "stop_token_ids": list(p.stop_token_ids) or None,
         "ignore_eos": p.ignore_eos,
     }
-    if getattr(p, "logprobs", False):
-        out["logprobs"] = int(getattr(p, "top_logprobs", 0))
+    if p.logprobs:
+        out["logprobs"] = p.top_logprobs  # vLLM adds the sampled token's own
     return out
+
+
+def top_of(step: dict[int, Any], n: int) -> TopLogprobs:
+    """The ``n`` most likely tokens of one position of vLLM's logprobs, most likely first."""
+    best = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:n]
+    return TopLogprobs(tuple(int(t) for t, _ in best), tuple(float(lp.logprob) for _, lp in best))
 
 
 class DeltaDecoder:
     """vLLM ``RequestOutput`` items (``RequestOutputKind.DELTA``) → our ``RequestOutput``."""
 
-    def __init__(self, request_id: str, prompt_tokens: int) -> None:
+    def __init__(self, request_id: str, prompt_tokens: int, top_logprobs: int = 0) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        self.top_logprobs = top_logprobs
         self.count = 0
         self.finished = False
 
@@ -100,16 +105,13 @@ class DeltaDecoder:
         reason = comp.finish_reason if comp is not None else None
         self.finished = bool(item.finished)
         extra: dict[str, Any] = {}
-        logprobs = getattr(comp, "logprobs", None) if comp is not None else None
-        if logprobs and "logprobs" in _OUTPUT_FIELDS:
+        steps = comp.logprobs if comp is not None else None
+        if steps:  # one dict per new token: the top N and the sampled token, by token id
             extra["logprobs"] = tuple(
-                float(step[t].logprob) for t, step in zip(ids, logprobs, strict=False)
+                float(step[t].logprob) for t, step in zip(ids, steps, strict=False)
             )
-            if "top_logprobs" in _OUTPUT_FIELDS:
-                extra["top_logprobs"] = tuple(
-                    tuple((int(t), float(lp.logprob)) for t, lp in step.items())
-                    for step in logprobs
-                )
+            if self.top_logprobs:
+                extra["top_logprobs"] = tuple(top_of(step, self.top_logprobs) for step in steps)
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=ids,
@@ -259,6 +261,13 @@ class VLLMEngine:
         free = int(self.total_pages * (1.0 - o.kv_usage))
         return EngineLoad(running, waiting, free, self.total_pages)
 
+    def generate(self, request: Any) -> AsyncIterator[RequestOutput]:
+        """What the multimodal edge calls for prompts with media: not on vLLM here."""
+        raise Unimplemented(
+            "media in prompts (embeddings at pad-id positions) run on the built-in torch "
+            "engine; this worker's engine is vLLM: send text, token_ids or text messages"
+        )
+
     def abort(self, request_id: str) -> bool:
         if request_id not in self.active:
             return False
@@ -383,7 +392,7 @@ class VLLMRole(LLMRole):
         if request_id in self.engine.active:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         sp = VSamplingParams(**sampling_to_vllm(params), output_kind=RequestOutputKind.DELTA)
-        dec = DeltaDecoder(request_id, len(ids))
+        dec = DeltaDecoder(request_id, len(ids), params.top_logprobs if params.logprobs else 0)
         self.engine.active[request_id] = dec
         try:
             # Closing this generator (client gone) closes vLLM's, which aborts the request.
