@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import importlib.util
 import itertools
 import logging
@@ -277,7 +278,15 @@ class VLLMEngine:
         return True
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        """End vLLM's engine processes (idempotent). The AsyncLLM is dropped here, so that
+        its own ``__del__`` runs now and not while the interpreter is torn down."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            # vLLM's engine process keeps nothing worth waiting for: killed after 3 s, well
+            # inside the worker's own stop grace (omniflow down).
+            llm.shutdown(timeout=3.0)
+            del llm
+            gc.collect()
 
 
 class VLLMRole(LLMRole):
