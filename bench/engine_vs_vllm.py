@@ -11,9 +11,9 @@ driving ``LLM.generate`` with the same token ids; the engine and transformers ru
     python bench/engine_vs_vllm.py --busy 1                    # a second process spins a core
     python bench/engine_vs_vllm.py --baseline cdd3cb8          # also the engine as of a commit
 
-``--baseline REF`` runs the engine package as it was at git ``REF`` (exported into a temporary
-folder that shadows the installed one) in a subprocess, on the same prompts: before/after
-in the same run.
+Every system runs in a fresh process of its own on the same prompts; ``--baseline REF``
+adds the engine package as it was at git ``REF`` (exported into a temporary folder that
+shadows the installed one): before/after in the same run.
 """
 
 from __future__ import annotations
@@ -25,12 +25,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-
-from omniflow_services.worker.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
 
 DEFAULT_MODEL = Path.home() / ".cache/omniflow/models/smollm2-135m-instruct"
 DEFAULT_VLLM = Path.home() / ".cache/omniflow/venvs/vllm/bin/python"
@@ -64,58 +61,101 @@ print("RESULT " + json.dumps(res), flush=True)
 """
 
 
-# Runs the engine of an exported older tree: argv[1] is a JSON job; prints one JSON line.
-BASELINE_SCRIPT = r"""
+# Runs one system (our engine, or transformers) on every level: argv[1] is a JSON job;
+# prints one JSON line. Every system runs in a fresh process of its own, like vLLM.
+SYSTEM_SCRIPT = r"""
 import json, sys, time, torch
 job = json.loads(sys.argv[1])
 torch.set_num_threads(job["threads"])
-from omniflow_services.worker.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
-import omniflow_services.worker.engine as mod
-assert mod.__file__.startswith(job["root"]), mod.__file__
+lv, n_out = job["levels"], job["output_len"]
+prompts = job["prompts"]
+if job["system"] == "engine":
+    from omniflow_services.worker.engine import Engine, EngineConfig, GenerateRequest
+    from omniflow_services.worker.engine import SamplingParams
+    import omniflow_services.worker.engine as mod
+    assert mod.__file__.startswith(job["root"]), (mod.__file__, job["root"])
+    per_req = -(-(job["prompt_len"] + n_out) // 16)
+    cfg = EngineConfig(dtype=job["dtype"], num_pages=per_req * max(lv) + 8,
+                       max_num_batched_tokens=job["budget"], max_num_seqs=max(64, max(lv)),
+                       enable_prefix_cache=False)
+    e = Engine(job["model"], cfg)
+    def go(ps, n):
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        first = []
+        t = time.perf_counter()
+        for i, p in enumerate(ps):
+            e.add_request(GenerateRequest(f"r{i}", tuple(p), params=sp))
+        got = 0
+        while e.has_unfinished():
+            for o in e.step():
+                got += len(o.new_token_ids)
+                if o.request_id == "r0":
+                    first.extend(o.new_token_ids)
+        assert got == n * len(ps)
+        return got / (time.perf_counter() - t), first
+else:
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        job["model"], dtype=getattr(torch, job["dtype"])).eval()
+    hf.generation_config.eos_token_id = None
+    def go(ps, n):
+        ids = torch.tensor(ps)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0)
+            dt = time.perf_counter() - t
+        return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt, out[0, ids.shape[1]:].tolist()
+go([prompts[str(lv[0])][0][:32]], 2)
 res = {}
-lv = job["levels"]
-per_req = -(-(job["prompt_len"] + job["output_len"]) // 16)
-cfg = EngineConfig(dtype=job["dtype"], num_pages=per_req * max(lv) + 8,
-                   max_num_batched_tokens=job["budget"], max_num_seqs=max(64, max(lv)),
-                   enable_prefix_cache=False)
-e = Engine(job["model"], cfg)
-def go(prompts, n):
-    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    t = time.perf_counter()
-    for i, p in enumerate(prompts):
-        e.add_request(GenerateRequest(f"r{i}", tuple(p), params=sp))
-    got = 0
-    while e.has_unfinished():
-        got += sum(len(o.new_token_ids) for o in e.step())
-    assert got == n * len(prompts)
-    return got / (time.perf_counter() - t)
-go([job["prompts"][str(lv[0])][0][:32]], 2)
 for n in lv:
-    res[str(n)] = max(go(job["prompts"][str(n)], job["output_len"]) for _ in range(job["repeat"]))
+    best, first = 0.0, []
+    for _ in range(job["repeat"]):
+        rate, first = go(prompts[str(n)], n_out)
+        best = max(best, rate)
+    res[str(n)] = {"tok_s": best, "first": first}
 print("RESULT " + json.dumps(res), flush=True)
 """
 
 
-def run_baseline(
-    args: argparse.Namespace, dtype: str, prompts: dict[int, list[list[int]]]
-) -> dict[str, float]:
-    """The engine as of git ``args.baseline``, in a subprocess, on the same prompts."""
+def _result(proc: subprocess.CompletedProcess[str], what: str) -> dict[str, dict]:
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    sys.stderr.write(proc.stderr[-4000:])
+    raise RuntimeError(f"{what} run failed (exit {proc.returncode}); its stderr is above")
+
+
+def run_system(
+    args: argparse.Namespace,
+    dtype: str,
+    prompts: dict[int, list[list[int]]],
+    system: str,
+    ref: str = "",
+) -> dict[str, dict]:
+    """``system`` ("engine" or "hf") in a fresh subprocess; the engine as of git ``ref``
+    when given (exported into a temporary folder that shadows the installed package)."""
     repo = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory(prefix="omniflow-baseline-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="omniflow-bench-") as tmp:
         root = Path(tmp)
-        tree = subprocess.run(
-            ["git", "-C", str(repo), "archive", args.baseline, "services/worker/engine"],
-            capture_output=True,
-            check=True,
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(root)], input=tree, check=True)
-        # services/ is the omniflow_services package; shadow only the engine subpackage.
-        pkg = root / "omniflow_services"
-        (pkg / "worker").mkdir(parents=True)
-        (root / "services/worker/engine").rename(pkg / "worker/engine")
-        for init in (pkg / "__init__.py", pkg / "worker/__init__.py"):
-            init.write_text("")
+        env = dict(os.environ)
+        pkg = repo / "services"
+        if ref:
+            tree = subprocess.run(
+                ["git", "-C", str(repo), "archive", ref, "services/worker/engine"],
+                capture_output=True,
+                check=True,
+            ).stdout
+            subprocess.run(["tar", "-x", "-C", str(root)], input=tree, check=True)
+            # services/ is the omniflow_services package; shadow only the engine subpackage.
+            pkg = root / "omniflow_services"
+            (pkg / "worker").mkdir(parents=True)
+            (root / "services/worker/engine").rename(pkg / "worker/engine")
+            for init in (pkg / "__init__.py", pkg / "worker/__init__.py"):
+                init.write_text("")
+            env["PYTHONPATH"] = str(root)
         job = {
+            "system": system,
             "model": str(args.model),
             "dtype": dtype,
             "levels": list(prompts),
@@ -127,58 +167,19 @@ def run_baseline(
             "threads": args.threads,
             "root": str(pkg),
         }
-        env = {**os.environ, "PYTHONPATH": str(root)}
         proc = subprocess.run(
-            [sys.executable, "-c", BASELINE_SCRIPT, json.dumps(job)],
+            [sys.executable, "-c", SYSTEM_SCRIPT, json.dumps(job)],
             env=env,
             capture_output=True,
             text=True,
             timeout=args.vllm_timeout,
         )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    sys.stderr.write(proc.stderr[-4000:])
-    raise RuntimeError(f"baseline run failed (exit {proc.returncode}); its stderr is above")
+    return _result(proc, f"{system} {ref}".strip())
 
 
 def prompts_for(n: int, length: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1000 + n)
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
-
-
-def run_engine(engine: Engine, prompts: list[list[int]], out_len: int) -> tuple[float, list[int]]:
-    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    first: list[int] = []
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(GenerateRequest(f"r{i}", tuple(p), params=params))
-    generated = 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            generated += len(o.new_token_ids)
-            if o.request_id == "r0":
-                first.extend(o.new_token_ids)
-    elapsed = time.perf_counter() - start
-    assert generated == out_len * len(prompts), generated
-    return generated / elapsed, first
-
-
-def run_hf(hf: torch.nn.Module, prompts: list[list[int]], out_len: int) -> float:
-    ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
-    with torch.inference_mode():
-        start = time.perf_counter()
-        out = hf.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=out_len,
-            min_new_tokens=out_len,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        elapsed = time.perf_counter() - start
-    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / elapsed
 
 
 def run_vllm(
@@ -196,6 +197,10 @@ def run_vllm(
     }
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # vLLM binds one OpenMP thread per listed core: give it as many as our engine gets.
+    cores = os.cpu_count() or 1
+    bind = "auto" if args.threads >= cores else f"0-{args.threads - 1}"
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     proc = subprocess.run(
         [str(args.vllm_python), "-c", VLLM_SCRIPT, json.dumps(job)],
@@ -204,11 +209,7 @@ def run_vllm(
         text=True,
         timeout=args.vllm_timeout,
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    sys.stderr.write(proc.stderr[-4000:])
-    raise RuntimeError(f"vLLM run failed (exit {proc.returncode}); its stderr is above")
+    return _result(proc, "vLLM")
 
 
 def _spin() -> None:
@@ -286,47 +287,28 @@ def bench_dtype(args: argparse.Namespace, dtype: str, levels: list[int]) -> list
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     prompts = {n: prompts_for(n, args.prompt_len, vocab) for n in levels}
     vllm = {} if args.skip_vllm else run_vllm(args, dtype, prompts)
-    base = run_baseline(args, dtype, prompts) if args.baseline else {}
-    per_req = -(-(args.prompt_len + args.output_len) // 16)
-    cfg = EngineConfig(
-        dtype=dtype,
-        num_pages=per_req * max(levels) + 8,
-        max_num_batched_tokens=args.token_budget,
-        max_num_seqs=max(64, max(levels)),
-        enable_prefix_cache=False,  # random prompts share nothing; measure compute only
-    )
-    engine = Engine(args.model, cfg)
-    run_engine(engine, [prompts[levels[0]][0][:32]], 2)  # warm-up
-    hf = None
-    if not args.skip_hf:
-        import transformers
-
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            args.model, dtype=getattr(torch, dtype)
-        )
-        hf = hf.eval()
-        hf.generation_config.eos_token_id = None
-        run_hf(hf, [prompts[levels[0]][0][:32]], 2)
+    base = run_system(args, dtype, prompts, "engine", args.baseline) if args.baseline else {}
+    ours = run_system(args, dtype, prompts, "engine")
+    hf = {} if args.skip_hf else run_system(args, dtype, prompts, "hf")
     rows = []
     for n in levels:
-        best, first = 0.0, []
-        for _ in range(args.repeat):
-            rate, first = run_engine(engine, prompts[n], args.output_len)
-            best = max(best, rate)
-        ref = max(run_hf(hf, prompts[n], args.output_len) for _ in range(args.repeat)) if hf else 0
-        v = vllm.get(str(n))
+        k = str(n)
+        v = vllm.get(k)
         rows.append(
             {
                 "dtype": dtype,
                 "n": n,
-                "ours": best,
-                "hf": ref,
+                "ours": ours[k]["tok_s"],
+                "hf": hf[k]["tok_s"] if hf else 0.0,
                 "vllm": v["tok_s"] if v else 0.0,
-                "same": (v["first"] == first) if v else None,
-                "base": base.get(str(n), 0.0),
+                "same": (v["first"] == ours[k]["first"]) if v else None,
+                "base": base[k]["tok_s"] if base else 0.0,
             }
         )
-        print(f"{dtype} {n}: ours {best:.1f} hf {ref:.1f} vllm {rows[-1]['vllm']:.1f}", flush=True)
+        r = rows[-1]
+        print(
+            f"{dtype} {n}: ours {r['ours']:.1f} hf {r['hf']:.1f} vllm {r['vllm']:.1f}", flush=True
+        )
     return rows
 
 
