@@ -192,27 +192,34 @@ def test_service_commands_run(config: dict[str, Any]) -> None:
 def test_models_service_writes_the_workers_model(config: dict[str, Any], tmp_path: Path) -> None:
     models = config["services"]["models"]
     cmd = models["command"]
-    assert cmd[:3] == ["omniflow", "models", "make-tiny"], cmd
+    assert cmd[:3] == ["omniflow", "models", "pull"], cmd
     mount = next(v for v in models["volumes"] if v["type"] == "volume")
-    out = cmd[cmd.index("--out") + 1]
-    assert out.startswith(mount["target"] + "/"), f"--out {out} is not on the models volume"
-    llms = [s for s in _by_package(config, "worker").values()
-            if _env(s)["OMNIFLOW_WORKER_ROLE"] == "llm"]  # fmt: skip
-    for svc in llms:
-        assert _env(svc)["OMNIFLOW_WORKER_MODEL"] == out
+    root = cmd[cmd.index("--models-dir") + 1]
+    assert root == mount["target"], f"--models-dir {root} is not the models volume"
+    names = [a for a in cmd[3:] if not a.startswith("--") and a != root]
+    # Every worker's model is a folder the one-shot writes on the volume.
+    workers = _by_package(config, "worker").values()
+    for svc in workers:
+        for folder in _env(svc)["OMNIFLOW_WORKER_MODEL"].split(","):
+            assert folder.startswith(root + "/"), f"{folder} is not on the models volume"
+            assert folder.removeprefix(root + "/") in names, f"{folder} is not pulled"
         mounted = {(v["source"], v["target"]) for v in svc["volumes"]}
-        assert (mount["source"], mount["target"]) in mounted, "an llm worker lacks the models"
+        assert (mount["source"], mount["target"]) in mounted, "a worker lacks the models"
         dep = svc["depends_on"].get("models", {})
         assert dep.get("condition") == "service_completed_successfully"
     exe = Path(sys.executable).parent / "omniflow"
     if not exe.exists():
         pytest.skip(f"the omniflow CLI is not installed next to {sys.executable}: pip install -e .")
-    local_out = tmp_path / Path(out).relative_to(mount["target"])
-    args = [str(exe), *cmd[1:]]
-    args[args.index(out)] = str(local_out)
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    # The llm's model, pulled the way the one-shot does (the others are pulled by their tests).
+    proc = subprocess.run(
+        [str(exe), "models", "pull", "--models-dir", str(tmp_path), "smollm2-135m-instruct"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert (local_out / "config.json").is_file() and (local_out / "model.safetensors").is_file()
+    out = tmp_path / "smollm2-135m-instruct"
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
 
 
 def test_every_setting_exists_and_parses(config: dict[str, Any]) -> None:
