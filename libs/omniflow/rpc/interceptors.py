@@ -118,9 +118,9 @@ class _Guard:
         self.rule = policy.rule_for(method)
         self.own: Identity | None = security.identity
 
-    def check(self, context: grpc.aio.ServicerContext) -> None:
+    def check(self, context: grpc.aio.ServicerContext, metadata: Any = None) -> None:
         # Each RPC runs in a task of its own: the caller set here is that RPC's alone.
-        who = self.security.principal(context)
+        who = self.security.principal(context, metadata)
         if not self.rule.allows(who, self.own):
             raise errors.PermissionDenied(
                 f"{self.method}: {who.describe()} may not call this method (docs/security.md)"
@@ -248,8 +248,10 @@ class _MethodStats:
         self.seconds.observe(time.perf_counter() - started)
 
 
-def _enter(context: grpc.aio.ServicerContext, method: str) -> tuple[trace.Span, object, object]:
-    parent = _PROPAGATOR.extract(context.invocation_metadata() or (), getter=_GETTER)
+def _enter(
+    context: grpc.aio.ServicerContext, method: str, metadata: Any
+) -> tuple[trace.Span, object, object]:
+    parent = _PROPAGATOR.extract(metadata, getter=_GETTER)
     span = _tracer().start_span(method, context=parent, kind=SpanKind.SERVER)
     token = otel_context.attach(trace.set_span_in_context(span, parent))
     left = context.time_remaining()
@@ -293,10 +295,11 @@ def _wrap_unary(
 
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
-        span, token, dl_token = _enter(context, method)
+        metadata = context.invocation_metadata() or ()
+        span, token, dl_token = _enter(context, method, metadata)
         try:
             if guard is not None:
-                guard.check(context)
+                guard.check(context, metadata)
             if streamed:
                 request = _checked(request, context, short)
             elif type(request) is _Undecodable:
@@ -328,10 +331,11 @@ def _wrap_stream(
 
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         started = time.perf_counter()
-        span, token, dl_token = _enter(context, method)
+        metadata = context.invocation_metadata() or ()
+        span, token, dl_token = _enter(context, method, metadata)
         try:
             if guard is not None:
-                guard.check(context)
+                guard.check(context, metadata)
             if streamed:
                 request = _checked(request, context, short)
             elif type(request) is _Undecodable:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ class Security:
     key: bytes = b""
     identity: Identity | None = None
     tokens: TokenTable | None = None
+    _principals: dict[tuple[Any, ...], Principal] = field(default_factory=dict)
 
     @classmethod
     def load(cls, settings: SecuritySettings) -> Security:
@@ -84,23 +85,37 @@ class Security:
         return (("authorization", f"Bearer {token}"),) if token else ()
 
     # -- the caller of an RPC
-    def principal(self, context: grpc.aio.ServicerContext) -> Principal:
+    def principal(self, context: grpc.aio.ServicerContext, metadata: Any = None) -> Principal:
         """Who calls: the peer certificate's identity, plus a tenant from a token or,
         from a forwarding service, from its headers. Raises Unauthenticated."""
         if not self.auth_on:
             return UNCHECKED
-        identity = _peer_identity(context)
-        if identity is None:
+        uri = _peer_uri(context)
+        if uri is None:
             raise Unauthenticated("no omniflow identity in the peer certificate")
-        metadata = context.invocation_metadata() or ()
         token = tenant = roles = None
-        for key, value in metadata:
+        for key, value in metadata if metadata is not None else context.invocation_metadata() or ():
             if key == "authorization":
                 token = value
             elif key == TENANT_HEADER:
                 tenant = value
             elif key == ROLES_HEADER:
                 roles = value
+        # The same peer with the same headers is the same principal: one dict probe instead
+        # of a digest and a parse per call (tokens are loaded once, so nothing goes stale).
+        key = (uri, token, tenant, roles)
+        found = self._principals.get(key)
+        if found is None:
+            found = self._resolve(uri, token, tenant, roles)
+            if len(self._principals) >= 4096:
+                self._principals.clear()
+            self._principals[key] = found
+        return found
+
+    def _resolve(self, uri: bytes, token: Any, tenant: Any, roles: Any) -> Principal:
+        identity = _parse_uri(uri.decode())
+        if identity is None:
+            raise Unauthenticated(f"the peer certificate's identity {uri!r} is malformed")
         if token is not None:
             scheme, _, secret = str(token).partition(" ")
             grant = self.tokens.lookup(secret.strip()) if self.tokens else None
@@ -139,12 +154,12 @@ def _parse_uri(uri: str) -> Identity | None:
         return None
 
 
-def _peer_identity(context: Any) -> Identity | None:
+def _peer_uri(context: Any) -> bytes | None:
     # peer_identities() (the SANs of a TLS peer) costs ~1 us; auth_context() builds a dict
     # with the whole PEM, ~20 us per call.
     for raw in context.peer_identities() or ():
         if raw.startswith(b"omniflow://"):
-            return _parse_uri(raw.decode())
+            return bytes(raw)
     return None
 
 
