@@ -74,6 +74,8 @@ class Prepared:
     namespace: str = ""
     messages: list[tuple[str, list[str | MediaPart]]] | None = None
     pre: Preprocessor | None = None
+    #: Workers picked ahead for choice indexes (see GatewayCore.prepick).
+    picked: dict[int, Picked] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -220,8 +222,10 @@ class GatewayCore:
             sampling = replace(sampling, seed=(sampling.seed + index) % 2**63)
         call = GenerateCall(new_id("gen"), sampling, prep.token_ids, prep.messages)
         exclude = await self._exclude("llm", prep.workers)
+        ahead = prep.picked.pop(index, None)
         for attempt in range(2):
-            picked = await self._pick(prep, exclude)
+            picked = ahead or await self._pick(prep, exclude)
+            ahead = None
             started = time.perf_counter()
             sent = False
             try:
@@ -244,6 +248,20 @@ class GatewayCore:
                 raise
             self._report(picked, started, True)
             return
+
+    async def prepick(self, prep: Prepared, n: int) -> None:
+        """Pick the workers of choices 0..n-1 now, so that "no worker" is the response's
+        status (503) rather than an error event after a 200 has been sent."""
+        exclude = await self._exclude("llm", prep.workers)
+        picks = await asyncio.gather(*(self._pick(prep, exclude) for _ in range(n)))
+        prep.picked.update(enumerate(picks))
+
+    def release(self, preps: list[Prepared]) -> None:
+        """Hand back picks no stream used (the client left first): neutral outcomes."""
+        for prep in preps:
+            for picked in prep.picked.values():
+                self.backends.report(picked.worker_id, True, 0.0)
+            prep.picked.clear()
 
     async def _pick(self, prep: Prepared, exclude: tuple[str, ...]) -> Picked:
         n_ids = len(prep.token_ids) if prep.token_ids is not None else 0

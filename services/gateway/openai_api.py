@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -171,9 +171,16 @@ class OpenAIRoutes:
             return None
         return task.result()
 
-    def _stream(self, events: AsyncIterator[bytes]) -> StreamingResponse:
+    async def _stream(
+        self, events: AsyncIterator[bytes], preps: list[Prepared] | None = None, n: int = 1
+    ) -> StreamingResponse:
+        """SSE of ``events``; the workers of ``preps`` are picked before the 200 is sent."""
+        for prep in preps or ():
+            await _param_model(self.core.prepick(prep, n))
         return StreamingResponse(
-            _guarded(events), media_type="text/event-stream", headers=SSE_HEADERS
+            _guarded(events, lambda: self.core.release(preps or [])),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
 
     # ------------------------------------------------------------ models
@@ -219,7 +226,8 @@ class OpenAIRoutes:
         created = int(time.time())
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._stream(self._chat_events(prep, req, rid, created, arrived, usage))
+            events = self._chat_events(prep, req, rid, created, arrived, usage)
+            return await self._stream(events, [prep], req.n)
         result = await self._whole(request, self._chat_whole(prep, req, rid, created, arrived))
         if result is None:
             return Response(status_code=499)
@@ -340,7 +348,7 @@ class OpenAIRoutes:
             yield DONE
 
         if req.stream:
-            return self._stream(events())
+            return await self._stream(events())
 
         async def whole() -> ChatCompletion:
             parts: list[str] = []
@@ -413,7 +421,7 @@ class OpenAIRoutes:
                     yield _sse(obj([], usage))
                 yield DONE
 
-            return self._stream(events())
+            return await self._stream(events(), preps, req.n)
 
         async def whole() -> Completion:
             tally = Tally("completions", arrived)
@@ -482,8 +490,11 @@ async def _param_model(work: Awaitable[T]) -> T:
         raise err from None
 
 
-async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """SSE with errors after the first byte sent as an error event (the status is sent)."""
+async def _guarded(
+    events: AsyncIterator[bytes], release: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """SSE with errors after the first byte sent as an error event (the status is sent);
+    picks made ahead that no stream used are released at the end, whatever happened."""
     try:
         async with aclosing(events) as stream:
             async for data in stream:
@@ -492,6 +503,8 @@ async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         err = exc if isinstance(exc, APIError) else from_domain(exc)
         yield _sse(error_body(err.message, err.type, err.param, err.code))
         yield DONE
+    finally:
+        release()
 
 
 async def _disconnected(request: Request) -> None:

@@ -104,7 +104,7 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
             OMNIFLOW_WORKER_ROLE="llm",
             OMNIFLOW_WORKER_MODEL=str(model_dir),
             OMNIFLOW_KV_AGENT_ADDR=agent.address,
-            OMNIFLOW_WORKER_KV_BYTES=str(32 * 1024 * 1024),
+            OMNIFLOW_WORKER_KV_BYTES=str(160 * 1024 * 1024),  # ~3500 tokens: two long streams fit
             OMNIFLOW_METRICS_PORT="0",  # the test reads its cancelled-requests counter
         )
         # The other roles the API reaches: images in chat (encoder), images, speech.

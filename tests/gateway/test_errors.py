@@ -121,16 +121,28 @@ def test_oversize_body_is_413(client: openai.OpenAI, topology: Any) -> None:
 def test_at_capacity_is_429(client: openai.OpenAI, topology: Any, http: httpx.Client) -> None:
     body = {"model": topology.model, "messages": LONG, "max_tokens": 400, "stream": True}
     body["temperature"] = 0
-    # The gateway of the test topology serves 2 requests at once (OMNIFLOW_GATEWAY_MAX_IN_FLIGHT).
-    with (
-        http.stream("POST", "/v1/chat/completions", json=body) as a,
-        http.stream("POST", "/v1/chat/completions", json=body) as b,
-    ):
-        next(a.iter_lines())
-        next(b.iter_lines())
-        with pytest.raises(openai.RateLimitError) as err:
-            client.chat.completions.create(model=topology.model, messages=HELLO, max_tokens=1)
-        assert _error(err.value)["code"] == "at_capacity"
+    # The gateway of the test topology serves 2 requests at once (OMNIFLOW_GATEWAY_MAX_IN_FLIGHT):
+    # with two streams generating, a third request is refused. A stream can end early (an
+    # eos, a preempted request): then the scenario did not hold and is tried again.
+    for _attempt in range(3):
+        with (
+            http.stream("POST", "/v1/chat/completions", json=body) as a,
+            http.stream("POST", "/v1/chat/completions", json=body) as b,
+        ):
+            streams = [a.iter_lines(), b.iter_lines()]
+            for lines in streams:  # both are generating: a content chunk has come
+                seen = [next(lines) for _ in range(4)]
+                assert any('"content":"' in x and '"role"' not in x for x in seen), seen
+            try:
+                client.chat.completions.create(model=topology.model, messages=HELLO, max_tokens=1)
+            except openai.RateLimitError as err:
+                assert _error(err)["code"] == "at_capacity"
+                break
+            rest = [list(lines) for lines in streams]
+            ended_early = [r for r in rest if sum('"content":"' in x for x in r) < 20]
+            assert ended_early, "a third request was served while two streams were generating"
+    else:
+        pytest.fail("no attempt had two streams generating at once")
     # Both streams were dropped: the gateway serves again.
     end = time.monotonic() + 30
     while True:
