@@ -67,3 +67,11 @@ class WorkerSettings(CommonSettings):
         True,
         "share KV through the node's kv-agent and announce device pages in the index",
     )
+    prefill_store_timeout_s: float = setting(
+        "OMNIFLOW_WORKER_PREFILL_STORE_TIMEOUT_S",
+        5.0,
+        "how long a prefill_only reply waits for the agent to acknowledge its full pages; "
+        "past it the reply goes out anyway (counted in "
+        "omniflow_worker_prefill_store_incomplete_total)",
+        minimum=0.0,
+    )

@@ -117,6 +117,21 @@ class WorkerKV:
         self.link.start()
         log.info("KV attached: agent %s, index %s", agent, index or "(none yet)")
 
+    async def wait_stored(self, hashes: Sequence[bytes], timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until the agent acknowledged the write-through of
+        every page of ``hashes`` this worker still had in flight. False: not attached to an
+        agent, a store dropped or failed, or the deadline passed; the pages may be missing."""
+        if self.connector is None:
+            return False
+        futures = [asyncio.wrap_future(f) for f in self.connector.pending_writes(hashes)]
+        if not futures:
+            return True
+        # No cancel on timeout: a wrapper's cancel would cancel the store itself.
+        done, pending = await asyncio.wait(futures, timeout=timeout_s)
+        return not pending and all(
+            not f.cancelled() and f.exception() is None and f.result() for f in done
+        )
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()

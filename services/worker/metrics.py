@@ -50,6 +50,11 @@ FINISHED = Counter(
     "Generate requests ended, by finish reason (stop, length, abort; cancelled: the caller left)",
     ["finish_reason"],
 )
+PREFILL_STORE_INCOMPLETE = Counter(
+    "omniflow_worker_prefill_store_incomplete",
+    "prefill_only replies sent before the agent acknowledged all their full pages "
+    "(timeout, a dropped or failed store, or no agent attached)",
+)
 
 
 def timed(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -125,7 +125,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 )
                 if request.prefill_only:
                     reply.prompt_token_ids.ids.extend(ids)
+                    await self._pages_stored(rid, reply.prompt_block_hashes)
             yield reply
+
+    async def _pages_stored(self, rid: str, hashes: Sequence[bytes]) -> None:
+        """prefill_only promises its full pages can be pulled by another role: the reply
+        waits (bounded) for the agent to acknowledge their write-through."""
+        kv, timeout_s = self.app.kv, self.app.settings.prefill_store_timeout_s
+        if not isinstance(kv, WorkerKV):  # vLLM/SGLang share pages their own way
+            return
+        if not await kv.wait_stored(hashes, timeout_s):
+            metrics.PREFILL_STORE_INCOMPLETE.inc()
+            log.warning(
+                "request %s: prefill_only replies before its pages are all stored in the "
+                "kv-agent (not attached, a store failed, or over %.1fs)",
+                rid,
+                timeout_s,
+            )
 
     async def Encode(
         self, request: worker_pb2.EncodeRequest, context: grpc.aio.ServicerContext

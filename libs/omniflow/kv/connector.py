@@ -40,7 +40,10 @@ class AgentConnector:
         self._thread.daemon = True
         self._thread.start()
         self._registered: set[bytes] = set()
-        self._queued: set[Future[None]] = set()
+        self._queued: set[Future[bool]] = set()
+        # Write-throughs not acknowledged yet, by block hash (pending_writes).
+        self._writes: dict[bytes, Future[bool]] = {}
+        self._writes_lock = threading.Lock()
 
         async def make() -> KVClient:
             return KVClient(
@@ -77,9 +80,15 @@ class AgentConnector:
         """Bytes of the longest leading run of ``hashes`` the Data Flow layer has."""
         return self._run(self._fetch(layout, list(hashes)))
 
-    async def _store(self, layout: KVLayout, hashes: list[bytes], pages: list[bytes]) -> None:
+    async def _store(self, layout: KVLayout, hashes: list[bytes], pages: list[bytes]) -> bool:
+        """True once the agent committed the pages; False when the store was dropped or
+        failed (the client counts and logs those)."""
         ns = await self._ensure_namespace(layout)
-        self.client.store(ns, hashes, pages)
+        task = self.client.store(ns, hashes, pages)
+        if task is None:
+            return False
+        await asyncio.wait([task])
+        return not task.cancelled() and task.exception() is None
 
     def store_pages(
         self, layout: KVLayout, hashes: Sequence[bytes], pages: Sequence[bytes]
@@ -89,12 +98,31 @@ class AgentConnector:
             self._store(layout, list(hashes), list(pages)), self._loop
         )
         self._queued.add(fut)
+        keys = list(hashes)
+        with self._writes_lock:
+            for h in keys:
+                self._writes[h] = fut
         fut.add_done_callback(self._queued_done)
+        fut.add_done_callback(lambda f: self._forget(f, keys))
 
-    def _queued_done(self, fut: Future[None]) -> None:
+    def _forget(self, fut: Future[bool], hashes: list[bytes]) -> None:
+        with self._writes_lock:
+            for h in hashes:
+                if self._writes.get(h) is fut:  # a later write of the same page stays
+                    del self._writes[h]
+
+    def _queued_done(self, fut: Future[bool]) -> None:
         self._queued.discard(fut)
         if not fut.cancelled() and fut.exception() is not None:
             log.warning("kv write-through not queued: %s", fut.exception())
+
+    def pending_writes(self, hashes: Sequence[bytes]) -> list[Future[bool]]:
+        """The write-throughs of ``hashes`` not acknowledged by the agent yet (each resolves
+        True once committed, False when dropped or failed). A hash with none is either
+        stored already or was never written through by this connector."""
+        with self._writes_lock:
+            found = {id(f): f for h in hashes if (f := self._writes.get(h)) is not None}
+        return list(found.values())
 
     def flush(self) -> None:
         """Wait for queued write-throughs (tests, shutdown)."""
