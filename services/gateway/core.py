@@ -146,7 +146,7 @@ class GatewayCore:
 
     async def preprocessor(self, worker: WorkerRecord) -> Preprocessor:
         """The worker model's preprocessor (loaded on a thread the first time only)."""
-        key = (worker.model, worker.kv_namespace, worker.metadata.get("kv_page_size", ""))
+        key = (worker.model, worker.kv_namespace, worker.metadata.get("page_size", ""))
         pre = self._pre.get(key)
         if pre is None:
             try:

@@ -277,4 +277,10 @@ class WorkerApp(ServiceApp):
     def metadata(self) -> dict[str, str]:
         node = self.runtime.node if self.runtime else ""
         c = self.core
-        return worker_metadata(c.role, node, c.model, c.kv_namespace, c.operations)
+        meta = worker_metadata(c.role, node, c.model, c.kv_namespace, c.operations)
+        # The page size the prompt's block hashes are cut at: the gateway and the
+        # coordinator hash prompts for kv_aware picks and must cut them the same way.
+        layout = getattr(getattr(c.llm, "engine", None), "layout", None)
+        if layout is not None:
+            meta["page_size"] = str(layout.page_size)
+        return meta

