@@ -102,3 +102,17 @@ async def test_the_batch_keeps_stepping_while_a_prefix_is_pulled(kv_cluster, tin
     tokens = [t for o in outs for t in o.new_token_ids]
     logits = torch.cat([o.logits for o in outs if o.logits is not None])
     await asyncio.to_thread(tiny.check, prompt, Result(tokens, logits, outs))
+
+
+def test_a_connector_assigned_after_construction_serves_prefixes(tiny: TinyModel) -> None:
+    """A worker attaches its kv-agent after the engine exists (``engine.connector = ...``)."""
+    from omniflow_services.worker.engine import MemoryConnector
+
+    store = MemoryConnector()
+    prompt = tiny.prompt(70, seed=78)
+    run_all(tiny.engine(connector=store), [greedy("p", prompt, 1, logits=False)])
+    engine = tiny.engine()
+    engine.connector = store
+    res = run_all(engine, [greedy("c", prompt, 5)])["c"]
+    assert res.final.usage.cached_tokens == 64 and engine.stats.async_loads == 1
+    tiny.check(prompt, res)

@@ -259,9 +259,20 @@ class Engine:
         # At least one token must be computed to produce the next token's logits.
         return min(len(seq.hashes), (len(seq.tokens) - 1) // self.layout.page_size)
 
+    def _loader(self) -> KVLoads | None:
+        """The loader of the current connector (one assigned after construction included)."""
+        c = self.connector
+        if c is None:
+            return None
+        loads = self._loads
+        if loads is None or (loads.connector is not c and not len(loads)):
+            loads = self._loads = KVLoads(c, self.layout)
+        return loads
+
     def _start_load(self, seq: SeqState) -> bool:
         """Start fetching the pages beyond the device pool's prefix; True if one started."""
-        if self._loads is None or not self.cache.enabled:
+        loads = self._loader()
+        if loads is None or not self.cache.enabled:
             return False
         limit = self._prefix_limit(seq)
         have = 0
@@ -269,7 +280,7 @@ class Engine:
             have += 1
         if have >= limit:
             return False
-        self._loads.start(seq, seq.hashes[have:limit], have)
+        loads.start(seq, seq.hashes[have:limit], have)
         self.stats.async_loads += 1
         return True
 

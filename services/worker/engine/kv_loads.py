@@ -47,6 +47,10 @@ class KVLoads:
         self.started = 0
         self.failures = 0
 
+    @property
+    def connector(self) -> KVConnector:
+        return self._connector
+
     def __len__(self) -> int:
         return len(self._loads)
 
