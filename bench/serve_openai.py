@@ -111,7 +111,14 @@ class Procs:
         self.started.append(proc)
         return proc
 
-    def service(self, module: str, name: str, env: dict[str, str], timeout_s: float = 300) -> dict:
+    def service(
+        self,
+        module: str,
+        name: str,
+        env: dict[str, str],
+        timeout_s: float = 300,
+        python: str = sys.executable,
+    ) -> dict:
         ready = self.dir / f"{name}.ready"
         full = {
             **os.environ,
@@ -123,7 +130,7 @@ class Procs:
             "OMNIFLOW_NODE_ID": "bench",
             **env,
         }
-        proc = self.spawn([sys.executable, "-m", module], name, full)
+        proc = self.spawn([python, "-m", module], name, full)
         end = time.monotonic() + timeout_s
         while not ready.exists():
             if proc.poll() is not None or time.monotonic() > end:
@@ -153,7 +160,11 @@ class Omniflow:
     base: dict[str, str]
 
 
-def start_omniflow(procs: Procs, folder: Path, threads: int) -> tuple[Omniflow, object]:
+def start_omniflow(
+    procs: Procs, folder: Path, threads: int, engine: str = "torch", vllm_python: Path | None = None
+) -> tuple[Omniflow, object]:
+    """The topology behind the gateway; ``engine`` "vllm" hosts vLLM's engine in the worker
+    (run from vLLM's own virtualenv, as ``OMNIFLOW_WORKER_PYTHON`` does in ``omniflow up``)."""
     redis = start_redis(dir=procs.dir / "redis")
     base = {"OMNIFLOW_REDIS_URL": redis.url, "OMNIFLOW_DISCOVERY": "redis"}
     index = procs.service("omniflow_services.kv_index", "kv-index", base)["address"]
@@ -177,18 +188,24 @@ def start_omniflow(procs: Procs, folder: Path, threads: int) -> tuple[Omniflow, 
             "OMNIFLOW_KV_INDEX_ADDR": index,
         },
     )["address"]
+    worker_env = {
+        **base,
+        "OMNIFLOW_WORKER_ROLE": "llm",
+        "OMNIFLOW_WORKER_MODEL": str(folder),
+        "OMNIFLOW_WORKER_DTYPE": "bfloat16",
+        "OMNIFLOW_KV_AGENT_ADDR": agent,
+        "OMNIFLOW_WORKER_TORCH_THREADS": str(threads),
+        "OMP_NUM_THREADS": str(threads),
+    }
+    python = sys.executable
+    if engine == "vllm":
+        if vllm_python is None or not vllm_python.exists():
+            raise RuntimeError(f"--engine vllm needs vLLM's venv ({vllm_python}): run "
+                               "scripts/setup_vllm_venv.sh")  # fmt: skip
+        python = str(vllm_python)
+        worker_env |= {"OMNIFLOW_WORKER_ENGINE": "vllm", "VLLM_CPU_KVCACHE_SPACE": "2"}
     worker = procs.service(
-        "omniflow_services.worker",
-        "llm-1",
-        {
-            **base,
-            "OMNIFLOW_WORKER_ROLE": "llm",
-            "OMNIFLOW_WORKER_MODEL": str(folder),
-            "OMNIFLOW_WORKER_DTYPE": "bfloat16",
-            "OMNIFLOW_KV_AGENT_ADDR": agent,
-            "OMNIFLOW_WORKER_TORCH_THREADS": str(threads),
-            "OMP_NUM_THREADS": str(threads),
-        },
+        "omniflow_services.worker", "llm-1", worker_env, timeout_s=900, python=python
     )
     # The echo worker's model ("echo") resolves to SmolLM2's folder in the gateway.
     models = procs.dir / "models"
@@ -538,6 +555,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument(
+        "--engine",
+        choices=("torch", "vllm"),
+        default="torch",
+        help="the engine behind the Omni-Flow gateway: built-in, or vLLM's (from --vllm-python)",
+    )
     ap.add_argument("--skip-omniflow", action="store_true", help="vLLM only")
     ap.add_argument("--models-dir", type=Path, default=Path("~/.cache/omniflow/models"))
     args = ap.parse_args()
@@ -554,8 +577,11 @@ def main() -> int:
     redis = None
     try:
         if not args.skip_omniflow:
-            print(f"Omni-Flow gateway ({folder}, bfloat16, {args.threads} threads) ...")
-            of, redis = start_omniflow(procs, folder, args.threads)
+            print(
+                f"Omni-Flow gateway ({folder}, bfloat16, {args.threads} threads, "
+                f"engine {args.engine}) ..."
+            )
+            of, redis = start_omniflow(procs, folder, args.threads, args.engine, args.vllm_python)
             ours = asyncio.run(workloads(of.url, args))
             over = asyncio.run(overhead(start_echo(procs, of), folder, args.overhead_samples))
             print(f"  overhead: {over}", flush=True)
