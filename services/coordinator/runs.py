@@ -67,8 +67,8 @@ from omniflow_services.coordinator.calls import (
     pick_entries,
     release_picks,
 )
-from omniflow_services.coordinator.core import WorkflowCatalogue
-from omniflow_services.coordinator.engine import (
+from omniflow_services.coordinator.catalogue import WorkflowCatalogue
+from omniflow_services.coordinator.executor import (
     Executor,
     NodeFailed,
     NodeLimits,

@@ -17,8 +17,8 @@ from omniflow.rpc.status import error_from_rpc
 from omniflow.security.tenancy import Tenancy
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
 from omniflow_services.coordinator.caller import GrpcWorkerCaller
+from omniflow_services.coordinator.catalogue import WorkflowCatalogue
 from omniflow_services.coordinator.config import CoordinatorSettings
-from omniflow_services.coordinator.core import WorkflowCatalogue
 from omniflow_services.coordinator.kvhints import KVHinter
 from omniflow_services.coordinator.limits import RunLimits
 from omniflow_services.coordinator.routers import RouterPool

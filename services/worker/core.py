@@ -87,7 +87,7 @@ class WorkerCore:
         if s.engine == "sglang":
             # Imported only when selected: SGLang is an optional, GPU-only extra. Without it
             # this raises FailedPrecondition naming "pip install 'omniflow[sglang]'".
-            from omniflow_services.worker.sglang_backend import load_sglang_role
+            from omniflow_services.worker.sglang.backend import load_sglang_role
 
             llm: LLMRole = await load_sglang_role(folder, s, dtype)
         elif s.engine == "vllm":

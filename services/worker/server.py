@@ -16,13 +16,13 @@ from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import unimplemented
 from omniflow.workers import WORKER_SERVICE, worker_metadata
 from omniflow_services.worker import metrics
-from omniflow_services.worker.audio_edge import AUDIO_OPERATIONS, invoke_audio
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.engine import Engine, SamplingParams
 from omniflow_services.worker.kv import WorkerKV
 from omniflow_services.worker.llm import LLMRole
-from omniflow_services.worker.mm_edge import MultimodalEdge, has_media
+from omniflow_services.worker.mm.audio_edge import AUDIO_OPERATIONS, invoke_audio
+from omniflow_services.worker.mm.edge import MultimodalEdge, has_media
 
 log = logging.getLogger(__name__)
 

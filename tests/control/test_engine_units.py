@@ -8,7 +8,7 @@ import pytest
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.dsl import VType, Workflow
 from omniflow.values import from_python
-from omniflow_services.coordinator.engine import _join, _strip_indices, evaluate
+from omniflow_services.coordinator.executor import _join, _strip_indices, evaluate
 
 
 def pred(op: int, operand=None, field: str = "") -> cpb.Predicate:

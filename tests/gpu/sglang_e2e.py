@@ -36,7 +36,7 @@ from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.localredis import find_redis_server, start_redis
 from omniflow.models.tiny import make_tiny
-from omniflow_services.worker.sglang_pages import sglang_page_keys
+from omniflow_services.worker.sglang.pages import sglang_page_keys
 
 REPORT: list[tuple[str, str, str]] = []  # (check, result, detail)
 

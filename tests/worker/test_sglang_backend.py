@@ -33,18 +33,18 @@ from omniflow.localredis import start_redis
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.engine import SamplingParams
-from omniflow_services.worker.sglang_backend import (
+from omniflow_services.worker.sglang.backend import (
     SGLangConfig,
     StreamDecoder,
     expected_layout,
     sampling_to_sglang,
 )
-from omniflow_services.worker.sglang_hicache import (
+from omniflow_services.worker.sglang.hicache import (
     BackendConfig,
     OmniflowHiCacheStorage,
     extra_config,
 )
-from omniflow_services.worker.sglang_pages import (
+from omniflow_services.worker.sglang.pages import (
     HOST_LAYOUTS,
     HostPageFormat,
     KeyMapper,
@@ -54,7 +54,7 @@ from omniflow_services.worker.sglang_pages import (
     namespace_model_id,
     sglang_page_keys,
 )
-from omniflow_services.worker.sglang_transport import PageAssembler, page_chunks
+from omniflow_services.worker.sglang.transport import PageAssembler, page_chunks
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 NS = KVLayout("m", num_layers=2, num_kv_heads=2, head_dim=8).namespace
@@ -279,7 +279,7 @@ def test_engine_kwargs_plug_the_storage_backend_in() -> None:
     assert kw["enable_hierarchical_cache"] and kw["hicache_storage_backend"] == "dynamic"
     extra = json.loads(kw["hicache_storage_backend_extra_config"])
     assert extra == extra_config("127.0.0.1:1", "127.0.0.1:2", "q")
-    assert extra["module_path"] == "omniflow_services.worker.sglang_hicache"
+    assert extra["module_path"] == "omniflow_services.worker.sglang.hicache"
     assert "enable_hierarchical_cache" not in SGLangConfig().engine_kwargs(Path("/m"), "m")
 
 

@@ -453,7 +453,7 @@ def require_vllm() -> None:
 
 async def load_vllm_role(folder: Path, settings: WorkerSettings, dtype: str) -> VLLMRole:
     """What ``WorkerCore.load`` calls for ``OMNIFLOW_WORKER_ENGINE=vllm``."""
-    from omniflow_services.worker.sglang_backend import find_data_plane
+    from omniflow_services.worker.sglang.backend import find_data_plane
 
     require_vllm()
     agent, index = ("", "")

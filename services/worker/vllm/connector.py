@@ -59,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import ROOT_PARENT, KVLayout, hash_page
 from omniflow.logsetup import setup_logging
-from omniflow_services.worker.sglang_transport import AgentPageStore
+from omniflow_services.worker.sglang.transport import AgentPageStore
 from omniflow_services.worker.vllm.pages import BlockFormat
 
 if TYPE_CHECKING:

@@ -4,13 +4,13 @@ Loaded by SGLang as a dynamic backend::
 
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "omniflow",
-        "module_path": "omniflow_services.worker.sglang_hicache",
+        "module_path": "omniflow_services.worker.sglang.hicache",
         "class_name": "OmniflowHiCacheStorage",
         "agent_address": "127.0.0.1:7301", "index_address": "127.0.0.1:7201",
         "model_id": "Qwen2.5-0.5B"}'
 
 so every SGLang worker of a model shares one distributed, tiered page cache with the
-others through the node agents (``sglang_backend.SGLangRole`` writes this for you).
+others through the node agents (``sglang.backend.SGLangRole`` writes this for you).
 
 SGLang API read (sgl-project/sglang main, Nov 2026; sglang 0.5.23 on PyPI):
 ``python/sglang/srt/mem_cache/hicache_storage.py`` (``HiCacheStorage``: abstract
@@ -40,13 +40,13 @@ from typing import Any
 import torch
 
 from omniflow.errors import InvalidArgument
-from omniflow_services.worker.sglang_pages import (
+from omniflow_services.worker.sglang.pages import (
     HostPageFormat,
     KeyMapper,
     host_format_of,
     namespace_model_id,
 )
-from omniflow_services.worker.sglang_transport import AgentPageStore
+from omniflow_services.worker.sglang.transport import AgentPageStore
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from omniflow.kv.checksum import page_checksum
 from omniflow.kv.wire import layout_to_proto
 from omniflow.rpc.client import sync_channel
 from omniflow.rpc.status import error_from_rpc
-from omniflow_services.worker.sglang_pages import batched
+from omniflow_services.worker.sglang.pages import batched
 
 log = logging.getLogger(__name__)
 

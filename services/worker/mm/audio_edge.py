@@ -16,8 +16,8 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2
 from omniflow.errors import InvalidArgument
 from omniflow.kv.tensor_client import TensorClient
-from omniflow_services.worker import audio_metrics
 from omniflow_services.worker.core import WorkerCore
+from omniflow_services.worker.mm import audio_metrics
 from omniflow_services.worker.mm.media import AUDIO, MediaInput
 
 AUDIO_OPERATIONS = ("transcribe",)

@@ -26,11 +26,11 @@ from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime
 from omniflow.rpc.status import error_from_rpc
 from omniflow.workers import WORKER_SERVICE, worker_from_instance
-from omniflow_services.worker import audio_metrics
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.engine import GenerateRequest, SamplingParams
 from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.mm import audio_metrics
 from omniflow_services.worker.mm.image_role import ImageRequest
 from omniflow_services.worker.mm.media import AUDIO, IMAGE, MediaInput
 from omniflow_services.worker.mm.media_prompt import EncodedRef, MediaResolver, multimodal_request

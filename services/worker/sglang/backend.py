@@ -6,7 +6,7 @@ the gRPC edge serves it unchanged: token ids in, streamed token ids and text del
 finish reason and usage (cached tokens from SGLang's ``meta_info``), abort.
 
 SGLang's hierarchical cache is switched on with ``OmniflowHiCacheStorage``
-(``sglang_hicache``) as its storage tier, so pages SGLang evicts from GPU and host memory
+(``sglang.hicache``) as its storage tier, so pages SGLang evicts from GPU and host memory
 land in the node's kv-agent and every SGLang worker of the model can load them back.
 
 SGLang API read (sgl-project/sglang main, Nov 2026; sglang 0.5.23 on PyPI):
@@ -41,8 +41,8 @@ from omniflow_services.worker.engine import EngineLoad, RequestOutput, SamplingP
 from omniflow_services.worker.engine.config import ModelConfig
 from omniflow_services.worker.engine.loader import load_tokenizer
 from omniflow_services.worker.llm import LLMRole
-from omniflow_services.worker.sglang_hicache import extra_config
-from omniflow_services.worker.sglang_pages import HostPageFormat, KeyMapper
+from omniflow_services.worker.sglang.hicache import extra_config
+from omniflow_services.worker.sglang.pages import HostPageFormat, KeyMapper
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class SGLangRole(LLMRole):
             pass
 
     def prompt_hashes(self, ids: Sequence[int]) -> list[bytes]:
-        """The block hashes the prompt's pages get in the kv-agents (see ``sglang_pages``)."""
+        """The block hashes the prompt's pages get in the kv-agents (see ``sglang.pages``)."""
         return self.keys.prompt_hashes(ids, self.engine.layout.page_size)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
