@@ -23,7 +23,8 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.convert import strategy_name, strategy_value, worker_info
-from omniflow.errors import InvalidArgument, OmniflowError, Unavailable
+from omniflow.discovery import find_address
+from omniflow.errors import InvalidArgument, OmniflowError
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel, remaining_s
 from omniflow.rpc.server import Runtime, ServiceApp
@@ -279,13 +280,13 @@ class RouterApp(ServiceApp):
             self._tasks.append(asyncio.create_task(self._poll_health()))
 
     async def _index_address(self) -> str:
-        if self.settings.kv_index_addr:
-            return self.settings.kv_index_addr
         assert self.runtime is not None
-        found = await self.runtime.registry.list("kv-index")
-        if not found:
-            raise Unavailable("no kv-index is registered in discovery")
-        return found[0].address
+        return await find_address(
+            self.runtime.registry,
+            "kv-index",
+            configured=self.settings.kv_index_addr,
+            node=self.runtime.node,
+        )
 
     async def pick(
         self,

@@ -9,9 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 from omniflow.discovery.base import DiscoveryError, Registry, ServiceInstance
+from omniflow.discovery.find import find_address, prefer_node
 from omniflow.errors import InvalidArgument
 
-__all__ = ["REGISTRY_KINDS", "DiscoveryError", "Registry", "ServiceInstance", "make_registry"]
+__all__ = [
+    "REGISTRY_KINDS",
+    "DiscoveryError",
+    "Registry",
+    "ServiceInstance",
+    "find_address",
+    "make_registry",
+    "prefer_node",
+]
 
 REGISTRY_KINDS = ("redis", "consul", "static")
 
