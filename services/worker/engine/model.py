@@ -55,6 +55,11 @@ class PackedLinear:
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
+# Attention of one layer: (layer index, q [T, heads, D], k and v [T, kv_heads, D], rotated)
+# -> output [T, heads, D]. The caller decides which keys each query sees (paged cache,
+# a cached prefix, a mask); the layer stack around it is the same for every path.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def onednn_usable(dtype: torch.dtype, device: torch.device) -> bool:
     """True where prepacked oneDNN linears apply: CPU, bfloat16, oneDNN with bf16 support."""
@@ -226,7 +231,8 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> F
     )
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama/Qwen2 compute it: in float32, scaled by ``w`` in ``x``'s dtype."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
@@ -271,37 +277,68 @@ class DecoderModel:
         # Set by the engine (it knows the page size and the memory budget).
         self.decode_kv: DecodeKV | None = None
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """Run the batch, write its K/V into ``pool``; return logits [len(logit_rows), vocab]."""
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        max_position: int | None = None,
+    ) -> torch.Tensor:
+        """The decoder layers over hidden states ``h`` [T, hidden] at ``positions``, with
+        ``attend`` as each layer's attention; returns the last layer's output (not normed).
+
+        The one layer stack of the worker: the LLM forward, the diffusion denoiser and the
+        codec talker all run through it."""
         cfg = self.cfg
-        h = F.embedding(batch.input_ids, self.embed)
-        if batch.embed_rows is not None:
-            h.index_copy_(0, batch.embed_rows, batch.embed_values.to(h.dtype))
-        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype, batch.max_position)
+        if max_position is None:
+            max_position = int(positions.max())
+        cos, sin = self.rotary.cos_sin(positions, self.dtype, max_position)
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_size = self.q_size + self.kv_size
         inter = cfg.intermediate_size
-        plan = self._decode_plan(batch)
         for li, (lw, lin) in enumerate(zip(self.layers, self.linears, strict=True)):
-            x = _rms_norm(h, lw.in_norm, cfg.rms_norm_eps)
+            x = rms_norm(h, lw.in_norm, cfg.rms_norm_eps)
             qkv = lin.qkv(x)
             # q and k rotate together: one set of rotary ops per layer, not two.
             qk = apply_rotary(qkv[:, :qk_size].view(-1, nh + kvh, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, qk_size:].view(-1, kvh, hd)
+            attn = attend(li, q, k, v)
+            h = h + lin.o(attn.reshape(-1, self.q_size))
+            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+            gu = lin.gate_up(x)
+            h = h + lin.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+        return h
+
+    def norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm (before the LM head)."""
+        return rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Run the batch, write its K/V into ``pool``; return logits [len(logit_rows), vocab]."""
+        kvh, hd = self.cfg.num_kv_heads, self.cfg.head_dim
+        h = F.embedding(batch.input_ids, self.embed)
+        if batch.embed_rows is not None:
+            h.index_copy_(0, batch.embed_rows, batch.embed_values.to(h.dtype))
+        plan = self._decode_plan(batch)
+
+        def paged(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = pool.layer(li)
             # caches are [H, pages, P, D], written through their [H, pages * P, D] views.
             k_cache.view(kvh, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
             v_cache.view(kvh, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
-            attn = self._attention(q, k, v, batch, k_cache, v_cache, plan, li)
-            h = h + lin.o(attn.reshape(-1, self.q_size))
-            x = _rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-            gu = lin.gate_up(x)
-            h = h + lin.down(F.silu(gu[:, :inter]) * gu[:, inter:])
-        last = h.index_select(0, batch.logit_rows)
-        last = _rms_norm(last, self.final_norm, cfg.rms_norm_eps)
+            return self._attention(q, k, v, batch, k_cache, v_cache, plan, li)
+
+        h = self.run_layers(h, batch.positions, paged, batch.max_position)
+        last = self.norm(h.index_select(0, batch.logit_rows))
         return self.lm(last).float()
+
+    @torch.inference_mode()
+    def logits_for(self, seq: SeqInput, pool: KVPool) -> torch.Tensor:
+        """One request's step on its own (no batching): logits [vocab] of its last token."""
+        batch = build_batch([seq], pool.layout.page_size, self.device)
+        return self.forward(batch, pool)[0]
 
     def _decode_plan(self, batch: ForwardBatch) -> DecodePlan | None:
         dkv = self.decode_kv

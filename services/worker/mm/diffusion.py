@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 from omniflow.errors import InvalidArgument
 from omniflow.models.tiny_mm import IMAGE_HEAD_MODEL_TYPE
-from omniflow_services.worker.engine.model import DecoderModel, _rms_norm
-from omniflow_services.worker.engine.rope import apply_rotary
+from omniflow_services.worker.engine.model import DecoderModel
 from omniflow_services.worker.mm.nn import Weights, read_config, sinusoid
 
 
@@ -48,29 +47,19 @@ def run_backbone(
     """The decoder layers over ``h`` [T, hidden] at ``positions``; returns final-normed
     hidden states [T, hidden]. Keys are the ``prefix`` K/V (if any) followed by ``h``'s own;
     ``mask`` [T, keys] (True = visible) defaults to everything visible."""
-    cfg = model.cfg
-    hd, nh, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    cos, sin = model.rotary.cos_sin(positions, model.dtype, int(positions.max()))
-    h = h.to(model.dtype)
-    for li, lw in enumerate(model.layers):
-        x = _rms_norm(h, lw.in_norm, cfg.rms_norm_eps)
-        q, k, v = F.linear(x, lw.qkv_w, lw.qkv_b).split(
-            (model.q_size, model.kv_size, model.kv_size), dim=-1
-        )
-        q = apply_rotary(q.view(-1, nh, hd), cos, sin).transpose(0, 1)
-        k = apply_rotary(k.view(-1, kvh, hd), cos, sin).transpose(0, 1)
-        v = v.view(-1, kvh, hd).transpose(0, 1)
+
+    def bidirectional(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         if prefix is not None:
             k = torch.cat([prefix.k[li].to(k.dtype), k], dim=1)
             v = torch.cat([prefix.v[li].to(v.dtype), v], dim=1)
         o = F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=mask, scale=model.scale, enable_gqa=True
         )[0]
-        h = h + F.linear(o.transpose(0, 1).reshape(-1, model.q_size), lw.o_w)
-        x = _rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(x, lw.gate_up_w).chunk(2, dim=-1)
-        h = h + F.linear(F.silu(gate) * up, lw.down_w)
-    return _rms_norm(h, model.final_norm, cfg.rms_norm_eps).float()
+        return o.transpose(0, 1)
+
+    h = model.run_layers(h.to(model.dtype), positions, bidirectional)
+    return model.norm(h).float()
 
 
 class ImageHead:

@@ -30,7 +30,7 @@ from omniflow.kv.blocks import KVLayout
 from omniflow.models.tiny_mm import VOCODER_MODEL_TYPE
 from omniflow_services.worker.engine.kv_pool import KVPool
 from omniflow_services.worker.engine.loader import load_model
-from omniflow_services.worker.engine.model import SeqInput, build_batch
+from omniflow_services.worker.engine.model import SeqInput
 from omniflow_services.worker.mm.audio_io import StreamResampler, check_rate, pcm_s16
 from omniflow_services.worker.mm.media import wav_bytes
 from omniflow_services.worker.mm.nn import Weights, read_config
@@ -154,8 +154,7 @@ class TalkerRole:
         lo, hi = self.offset, self.offset + self.codec_vocab
         tokens, start, chunk = list(ids), 0, []
         for _ in range(budget):
-            batch = build_batch([SeqInput(tokens[start:], start, pages, True)], PAGE, self.device)
-            logits = self.model.forward(batch, self.pool)[0]
+            logits = self.model.logits_for(SeqInput(tokens[start:], start, pages, True), self.pool)
             allowed = torch.cat([logits[lo:hi], logits[self.eos : self.eos + 1]])
             if temperature > 0:
                 probs = torch.softmax(allowed / temperature, -1)
