@@ -33,6 +33,7 @@ from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
 from omniflow.values import from_python, to_python
 from omniflow_services.coordinator.calls import UNUSED_PICK_CODE, CallRequest, ChunkSink, Target
+from omniflow_services.coordinator.conversation import conversation, encode_items, has_conversation
 from omniflow_services.coordinator.kvhints import KVHinter, Prompt
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ def chat_request(prompt: Prompt) -> worker_pb2.ChatMessages:
 
 REPORT_INTERVAL_S = 0.02
 KV_AWARE = router_pb2.STRATEGY_KV_AWARE
-_PROMPT = ("prompt",)
+# With a history or media the Pick goes without hints: a hint covers one user turn only.
+_PROMPT = ("prompt", "messages", "media")
 
 _FINISH = {
     worker_pb2.FINISH_REASON_STOP: "stop",
@@ -148,6 +150,7 @@ class GrpcWorkerCaller:
         if (
             self.hinter is not None
             and isinstance(prompt, str)
+            and not has_conversation(req.inputs)
             and self._wants_hints(req.role, req.operation, req.strategy)
         ):
             hints = await self.hinter.hints(req.role, llm_prompt(prompt, req.params))
@@ -197,6 +200,8 @@ class GrpcWorkerCaller:
         on_chunk: ChunkSink | None,
     ) -> dict[str, Any]:
         text = req.inputs.get("prompt")
+        if text is None and req.inputs.get("media"):
+            text = ""  # a turn of media alone
         if not isinstance(text, str):
             raise InvalidArgument("generate needs a text input 'prompt'")
         prompt = llm_prompt(text, req.params)
@@ -206,9 +211,12 @@ class GrpcWorkerCaller:
             session_key=str(req.inputs.get("session") or req.session_key),
         )
         ready = None
-        if self.hinter is not None and req.role == "llm":
+        history = has_conversation(req.inputs)
+        if self.hinter is not None and req.role == "llm" and not history:
             ready = await self.hinter.prepared(req.role, prompt, target.kv_namespace)
-        if ready is not None:  # the ids the Pick's hashes came from: no second tokenizing
+        if history:  # the worker templates the whole conversation, media included
+            msg.messages.CopyFrom(conversation(text, req.inputs, req.params))
+        elif ready is not None:  # the ids the Pick's hashes came from: no second tokenizing
             msg.token_ids.ids.extend(ready.token_ids)
         elif prompt.chat:
             msg.messages.CopyFrom(chat_request(prompt))
@@ -257,10 +265,7 @@ class GrpcWorkerCaller:
     async def _encode(
         self, stub: worker_pb2_grpc.WorkerServiceStub, req: CallRequest
     ) -> dict[str, Any]:
-        media = req.inputs.get("media")
-        items = media if isinstance(media, list) else [media]
-        if not all(isinstance(m, common_pb2.MediaItem) for m in items):
-            raise InvalidArgument("encode needs 'media': a media item or a list of them")
+        items = encode_items(req.inputs)
         reply = await stub.Encode(
             worker_pb2.EncodeRequest(request_id=req.request_id, items=items),
             timeout=req.timeout_s,

@@ -17,8 +17,11 @@ Semantics, per node kind:
   at once); every output becomes the list of the bodies' outputs.
 - streaming edge: the consumer runs once per chunk the producer streams, starting on
   the first; chunks that arrive while it is busy are coalesced into its next call.
-  Outputs of the per-chunk calls are joined (text and bytes concatenated, lists
-  extended, other values: the last one).
+  An edge with ``phrase_chars`` hands over whole phrases of the text instead (see
+  ``streams.Phrases``): a talker starts on the first phrase, not per token and not after
+  the whole answer; the calls run one after another, so the audio stays in order.
+  Outputs of the per-chunk calls are joined (text and bytes concatenated, WAV files as
+  one WAV, lists extended, other values: the last one).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from omniflow_services.coordinator.calls import (
     pick_entries,
     release_picks,
 )
+from omniflow_services.coordinator.streams import Phrases, join
 
 __all__ = [
     "CallRequest",
@@ -94,16 +98,6 @@ class _Stream:
     def close(self) -> None:
         self.closed = True
         self.changed.set()
-
-
-def _join(values: list[Any]) -> Any:
-    if values and all(isinstance(v, str) for v in values):
-        return "".join(values)
-    if values and all(isinstance(v, bytes) for v in values):
-        return b"".join(values)
-    if values and all(isinstance(v, list) for v in values):
-        return [x for v in values for x in v]
-    return values[-1] if values else None
 
 
 def _field(value: Any, path: str) -> Any:
@@ -485,21 +479,30 @@ class Executor:
         for other_key, other in rest:  # only one input streams; the others are waited for
             values[other_key] = await scope.resolve(other)
         stream = scope.streams[(src.node_output.node, src.node_output.output)]
+        phrases = Phrases(src.phrase_chars) if src.phrase_chars else None
         taken = 0
         results: list[dict[str, Any]] = []
         while True:
             while taken == len(stream.chunks) and not stream.closed:
                 stream.changed.clear()
                 await stream.changed.wait()
-            if taken == len(stream.chunks):
+            if taken == len(stream.chunks) and (phrases is None or not phrases.pending):
                 break
-            batch = stream.chunks[taken:]
+            batch = join(stream.chunks[taken:])
             taken = len(stream.chunks)
-            results.append(await self._call(scope, node, path, {**values, key: _join(batch)}))
+            if phrases is not None:
+                if not isinstance(batch, str | None):
+                    raise NodeFailed(path, f"input {key!r}: phrases need a text stream")
+                batch = phrases.feed(batch or "")
+                if stream.closed and taken == len(stream.chunks):
+                    batch += phrases.rest()
+                if not batch.strip():
+                    continue  # no whole phrase yet (or only whitespace left)
+            results.append(await self._call(scope, node, path, {**values, key: batch}))
         # A producer that failed closes its stream too; its failure cancels this task.
         await scope.resolve(cpb.Source(node_output=src.node_output))
         names = {k for r in results for k in r}
-        return {k: _join([r[k] for r in results if k in r]) for k in names}
+        return {k: join([r[k] for r in results if k in r]) for k in names}
 
     async def _switch(
         self, scope: _Scope, node: cpb.Node, path: str, values: dict[str, Any]

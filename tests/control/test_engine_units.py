@@ -8,7 +8,8 @@ import pytest
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.dsl import VType, Workflow
 from omniflow.values import from_python
-from omniflow_services.coordinator.executor import _join, _strip_indices, evaluate
+from omniflow_services.coordinator.executor import _strip_indices, evaluate
+from omniflow_services.coordinator.streams import join as _join
 
 
 def pred(op: int, operand=None, field: str = "") -> cpb.Predicate:

@@ -56,13 +56,20 @@ class Ref:
     ) -> None:
         self.graph, self.source, self.vtype, self.field_path = graph, source, vtype, field_path
 
-    def stream(self) -> Ref:
-        """Consume this node output chunk by chunk: the consumer starts on the first one."""
+    def stream(self, phrase_chars: int = 0) -> Ref:
+        """Consume this node output chunk by chunk: the consumer starts on the first one.
+
+        ``phrase_chars`` > 0 (a text output): the consumer gets whole phrases instead, each
+        up to a sentence or phrase boundary or at most that many characters (a talker
+        speaks each phrase while the llm writes the next)."""
         if self.source.WhichOneof("kind") != "node_output":
             raise InvalidArgument("only a node output can be streamed")
+        if phrase_chars < 0 or phrase_chars > 100_000:
+            raise InvalidArgument(f"phrase_chars is {phrase_chars}; accepted: 0 to 100000")
         src = cpb.Source()
         src.CopyFrom(self.source)
         src.streaming = True
+        src.phrase_chars = phrase_chars
         return Ref(self.graph, src, self.vtype, self.field_path)
 
     def field(self, path: str) -> Ref:

@@ -32,7 +32,8 @@ BUILTIN: dict[tuple[str, str], OpSignature] = {
     ("llm", "generate"): OpSignature(
         "llm",
         "generate",
-        {"prompt": VType.TEXT, "session": VType.TEXT},
+        # messages: the chat so far; media: an encoder's items (coordinator/conversation.py)
+        {"prompt": VType.TEXT, "session": VType.TEXT, "messages": VType.LIST, "media": VType.LIST},
         {
             "text": VType.TEXT,
             "prompt_tokens": VType.INT,
@@ -40,11 +41,16 @@ BUILTIN: dict[tuple[str, str], OpSignature] = {
             "completion_tokens": VType.INT,
             "finish_reason": VType.TEXT,
         },
-        optional=frozenset({"session"}),
+        optional=frozenset({"session", "messages", "media"}),
         streams="text",
     ),
+    # media: media items; image, audio: a file's bytes (at least one of the three)
     ("encoder", "encode"): OpSignature(
-        "encoder", "encode", {"media": VType.ANY}, {"items": VType.LIST, "cache_hits": VType.INT}
+        "encoder",
+        "encode",
+        {"media": VType.ANY, "image": VType.ANY, "audio": VType.ANY},
+        {"items": VType.LIST, "cache_hits": VType.INT},
+        optional=frozenset({"media", "image", "audio"}),
     ),
     # Served through Invoke by an encoder worker with a Whisper model: audio file bytes in.
     ("encoder", "transcribe"): OpSignature(
