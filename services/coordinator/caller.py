@@ -31,10 +31,10 @@ from omniflow.errors import InvalidArgument, OmniflowError
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
-from omniflow.values import from_python, to_python
+from omniflow.values import Tokens, from_python, to_python
 from omniflow_services.coordinator.calls import UNUSED_PICK_CODE, CallRequest, ChunkSink, Target
 from omniflow_services.coordinator.conversation import conversation, encode_items, has_conversation
-from omniflow_services.coordinator.kvhints import KVHinter, Prompt
+from omniflow_services.coordinator.kvhints import KVHinter, Prompt, pages_hints
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +77,46 @@ def chat_request(prompt: Prompt) -> worker_pb2.ChatMessages:
     )
 
 
+def image_request(req: CallRequest) -> worker_pb2.GenerateImageRequest:
+    """The GenerateImage request of a generate_image call: the ``pages`` input (an llm's
+    prefill_only pages, pulled by the diffusion worker) or the ``prompt`` text; inputs
+    width/height/steps/seed, when given, over the node's params of the same name."""
+    p = {**req.params, **{k: v for k, v in req.inputs.items() if v is not None}}
+    msg = worker_pb2.GenerateImageRequest(
+        request_id=req.request_id,
+        width=int(p.get("width", 0)),
+        height=int(p.get("height", 0)),
+        steps=int(p.get("steps", 0)),
+        guidance_scale=float(p.get("guidance_scale", 0.0)),
+        negative_prompt=str(p.get("negative_prompt", "")),
+        return_ref=bool(p.get("return_ref", False)),
+    )
+    if "seed" in p:
+        msg.seed = int(p["seed"])
+    pages = req.inputs.get("pages")
+    if pages is not None:
+        if not isinstance(pages, dict):
+            raise InvalidArgument(
+                f"input 'pages' is {type(pages).__name__}; accepted: the 'pages' output of an "
+                "llm generate call with param prefill_only"
+            )
+        msg.prompt_pages.CopyFrom(
+            worker_pb2.PromptPages(
+                token_ids=common_pb2.TokenIds(ids=list(pages.get("token_ids") or ())),
+                kv_namespace=str(pages.get("kv_namespace", "")),
+                block_hashes=list(pages.get("block_hashes") or ()),
+            )
+        )
+    else:
+        msg.text = str(req.inputs.get("prompt") or "")
+    return msg
+
+
 REPORT_INTERVAL_S = 0.02
 KV_AWARE = router_pb2.STRATEGY_KV_AWARE
 # With a history or media the Pick goes without hints: a hint covers one user turn only.
 _PROMPT = ("prompt", "messages", "media")
+_PAGES = ("pages",)
 
 _FINISH = {
     worker_pb2.FINISH_REASON_STOP: "stop",
@@ -122,15 +158,22 @@ class GrpcWorkerCaller:
             stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(channel)
         return stub
 
-    def _wants_hints(self, role: str, operation: str, strategy: int) -> bool:
-        if self.hinter is None or role != "llm" or operation != "generate":
-            return False
+    def _kv_routed(self, role: str, strategy: int) -> bool:
+        """Whether a call of ``role`` with ``strategy`` may be routed kv_aware."""
         return strategy == KV_AWARE or (
             strategy == 0 and self._role_default.get(role, KV_AWARE) == KV_AWARE
         )
 
+    def _wants_hints(self, role: str, operation: str, strategy: int) -> bool:
+        if self.hinter is None or role != "llm" or operation != "generate":
+            return False
+        return self._kv_routed(role, strategy)
+
     def pick_reads(self, role: str, operation: str, strategy: int) -> tuple[str, ...]:
-        """Inputs whose values the Pick of such a call carries (the prompt, for hints)."""
+        """Inputs whose values the Pick of such a call carries (the prompt, for hints; the
+        pages of a generate_image call, whose own hashes are its hints)."""
+        if operation == "generate_image" and self._kv_routed(role, strategy):
+            return _PAGES
         return _PROMPT if self._wants_hints(role, operation, strategy) else ()
 
     async def pick(self, req: CallRequest, exclude: tuple[str, ...]) -> Target:
@@ -158,6 +201,18 @@ class GrpcWorkerCaller:
                 msg.kv_namespace = hints.namespace
                 msg.block_hashes.extend(hints.block_hashes)
                 msg.prompt_tokens = hints.prompt_tokens
+        pages = req.inputs.get("pages")
+        if (
+            req.operation == "generate_image"
+            and pages is not None
+            and self._kv_routed(req.role, req.strategy)
+        ):
+            # The node holding the producing call's stored pages wins (router kv_aware).
+            paged = pages_hints(pages)
+            if paged is not None:
+                msg.kv_namespace = paged.namespace
+                msg.block_hashes.extend(paged.block_hashes)
+                msg.prompt_tokens = paged.prompt_tokens
         try:
             reply = await stub.Pick(msg, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
@@ -209,6 +264,7 @@ class GrpcWorkerCaller:
             request_id=req.request_id,
             sampling=sampling_params(req.params),
             session_key=str(req.inputs.get("session") or req.session_key),
+            prefill_only=bool(req.params.get("prefill_only", False)),
         )
         ready = None
         history = has_conversation(req.inputs)
@@ -235,6 +291,12 @@ class GrpcWorkerCaller:
                 out["prompt_tokens"] = chunk.usage.prompt_tokens
                 out["cached_tokens"] = chunk.usage.cached_tokens
                 out["completion_tokens"] = chunk.usage.completion_tokens
+                if chunk.prompt_token_ids.ids:  # prefill_only: the stored pages, to pull
+                    out["pages"] = {
+                        "kv_namespace": target.kv_namespace,
+                        "block_hashes": list(chunk.prompt_block_hashes),
+                        "token_ids": Tokens(chunk.prompt_token_ids.ids),
+                    }
         out["text"] = "".join(parts)
         return out
 
@@ -278,21 +340,15 @@ class GrpcWorkerCaller:
     async def _image(
         self, stub: worker_pb2_grpc.WorkerServiceStub, req: CallRequest
     ) -> dict[str, Any]:
-        p = req.params
-        msg = worker_pb2.GenerateImageRequest(
-            request_id=req.request_id,
-            text=str(req.inputs.get("prompt", "")),
-            width=int(p.get("width", 0)),
-            height=int(p.get("height", 0)),
-            steps=int(p.get("steps", 0)),
-            guidance_scale=float(p.get("guidance_scale", 0.0)),
-            return_ref=bool(p.get("return_ref", False)),
-        )
-        if "seed" in p:
-            msg.seed = int(p["seed"])
-        reply = await stub.GenerateImage(msg, timeout=req.timeout_s)
+        reply = await stub.GenerateImage(image_request(req), timeout=req.timeout_s)
         image: Any = reply.ref if reply.HasField("ref") else reply.png
-        return {"image": image, "width": reply.width, "height": reply.height}
+        return {
+            "image": image,
+            "width": reply.width,
+            "height": reply.height,
+            "prompt_tokens": reply.prompt_tokens,
+            "cached_prompt_tokens": reply.cached_prompt_tokens,
+        }
 
     async def report(self, target: Target, ok: bool, latency_ms: float, code: str) -> None:
         # Off the critical path: outcomes are batched into one ReportOutcomes call per

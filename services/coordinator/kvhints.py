@@ -250,3 +250,24 @@ class KVHinter:
     async def close(self) -> None:
         if self._refresh is not None:
             self._refresh.cancel()
+
+
+# -- hints of a call whose prompt is already paged (diffusion over an llm's prefill_only)
+PAGES = "from_pages"  # outcome: the producing call's own block hashes
+
+
+def pages_hints(pages: Any) -> KVHints | None:
+    """Hints from the ``pages`` value of an llm ``prefill_only`` call ({kv_namespace,
+    block_hashes, token_ids}): the producing worker's own hashes, so nothing is tokenized
+    and the Pick matches exactly the pages that were stored. None (and not counted) when
+    ``pages`` is not such a value; the call then fails at the worker, naming the field."""
+    if not isinstance(pages, dict):
+        return None
+    ns, hashes, ids = pages.get("kv_namespace"), pages.get("block_hashes"), pages.get("token_ids")
+    if not isinstance(ns, str) or not ns or not isinstance(hashes, list | tuple):
+        return None
+    if not all(isinstance(h, bytes) and len(h) == 16 for h in hashes):
+        return None
+    tokens = tuple(int(i) for i in ids) if isinstance(ids, list | tuple) else ()
+    KV_HINTS.labels(PAGES).inc()
+    return KVHints(ns, tuple(hashes), len(tokens), tokens)

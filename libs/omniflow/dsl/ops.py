@@ -40,6 +40,9 @@ BUILTIN: dict[tuple[str, str], OpSignature] = {
             "cached_tokens": VType.INT,
             "completion_tokens": VType.INT,
             "finish_reason": VType.TEXT,
+            # With param prefill_only: the prompt's stored pages, for another role to pull
+            # ({kv_namespace, block_hashes, token_ids}; diffusion.generate_image ``pages``).
+            "pages": VType.STRUCT,
         },
         optional=frozenset({"session", "messages", "media"}),
         streams="text",
@@ -59,8 +62,24 @@ BUILTIN: dict[tuple[str, str], OpSignature] = {
     ("diffusion", "generate_image"): OpSignature(
         "diffusion",
         "generate_image",
-        {"prompt": VType.TEXT},
-        {"image": VType.ANY, "width": VType.INT, "height": VType.INT},
+        # One of prompt (text, prefilled here) or pages (an llm's prefill_only pages, pulled);
+        # width/height/steps/seed inputs override the node's params of the same name.
+        {
+            "prompt": VType.TEXT,
+            "pages": VType.STRUCT,
+            "width": VType.INT,
+            "height": VType.INT,
+            "steps": VType.INT,
+            "seed": VType.INT,
+        },
+        {
+            "image": VType.ANY,
+            "width": VType.INT,
+            "height": VType.INT,
+            "prompt_tokens": VType.INT,
+            "cached_prompt_tokens": VType.INT,
+        },
+        optional=frozenset({"prompt", "pages", "width", "height", "steps", "seed"}),
     ),
     ("talker", "synthesize"): OpSignature(
         "talker",
