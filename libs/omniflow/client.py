@@ -33,14 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.coordinator.v1 import coordinator_pb2_grpc
 from omniflow.dsl.builder import Workflow
 from omniflow.errors import Unavailable
 from omniflow.rpc.client import open_channel
-from omniflow.rpc.status import error_from_rpc
 from omniflow.values import from_python, to_python
 
 log = logging.getLogger(__name__)
@@ -182,9 +179,6 @@ class Client:
         while True:
             try:
                 return await attempt()
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + backoff > end:
-                    raise error_from_rpc(exc) from None
             except Unavailable:
                 if time.monotonic() + backoff > end:
                     raise
@@ -257,10 +251,8 @@ class Client:
                 yield event
                 if event.HasField("run_finished"):
                     return
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                raise error_from_rpc(exc) from None
-            log.info("run %s: stream broke (%s); resuming elsewhere", req.run_id, exc.details())
+        except Unavailable as exc:
+            log.info("run %s: stream broke (%s); resuming elsewhere", req.run_id, exc)
         # Accepted or not, the id is ours: submit again (idempotent), then follow it.
         if seen == 0:
             await self._call("SubmitRun", req)
@@ -285,10 +277,8 @@ class Client:
                     if event.HasField("run_finished"):
                         return
                 error: Exception = Unavailable(f"run {run_id} has not finished yet")
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise error_from_rpc(exc) from None
-                error = error_from_rpc(exc)
+            except Unavailable as exc:
+                error = exc
                 await self._fail_over()
             if time.monotonic() + backoff > end:
                 raise Unavailable(

@@ -22,15 +22,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import grpc
-
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.errors import InvalidArgument, OmniflowError
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
-from omniflow.rpc.status import error_from_rpc
 from omniflow.values import Tokens, from_python, to_python
 from omniflow_services.coordinator.calls import UNUSED_PICK_CODE, CallRequest, ChunkSink, Target
 from omniflow_services.coordinator.conversation import conversation, encode_items, has_conversation
@@ -213,10 +210,7 @@ class GrpcWorkerCaller:
                 msg.kv_namespace = paged.namespace
                 msg.block_hashes.extend(paged.block_hashes)
                 msg.prompt_tokens = paged.prompt_tokens
-        try:
-            reply = await stub.Pick(msg, timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        reply = await stub.Pick(msg, timeout=timeout)
         if req.strategy == 0:
             self._role_default[req.role] = reply.strategy
         return Target(reply.worker.worker_id, reply.worker.address, reply.worker.kv_namespace)
@@ -225,27 +219,25 @@ class GrpcWorkerCaller:
         self, target: Target, req: CallRequest, on_chunk: ChunkSink | None
     ) -> dict[str, Any]:
         stub = self._stub(target.address)
-        try:
-            if req.operation == "generate":
-                return await self._generate(stub, target, req, on_chunk)
-            if req.operation == "synthesize":
-                return await self._synthesize(stub, req, on_chunk)
-            if req.operation == "encode":
-                return await self._encode(stub, req)
-            if req.operation == "generate_image":
-                return await self._image(stub, req)
-            inputs = {**req.params, **req.inputs}
-            reply = await stub.Invoke(
-                worker_pb2.InvokeRequest(
-                    request_id=req.request_id,
-                    operation=req.operation,
-                    inputs={k: from_python(v, f"input {k!r}") for k, v in inputs.items()},
-                ),
-                timeout=req.timeout_s,
-            )
-            return {k: to_python(v) for k, v in reply.outputs.items()}
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        # A failed call raises its domain error (the channel maps it).
+        if req.operation == "generate":
+            return await self._generate(stub, target, req, on_chunk)
+        if req.operation == "synthesize":
+            return await self._synthesize(stub, req, on_chunk)
+        if req.operation == "encode":
+            return await self._encode(stub, req)
+        if req.operation == "generate_image":
+            return await self._image(stub, req)
+        inputs = {**req.params, **req.inputs}
+        reply = await stub.Invoke(
+            worker_pb2.InvokeRequest(
+                request_id=req.request_id,
+                operation=req.operation,
+                inputs={k: from_python(v, f"input {k!r}") for k, v in inputs.items()},
+            ),
+            timeout=req.timeout_s,
+        )
+        return {k: to_python(v) for k, v in reply.outputs.items()}
 
     async def _generate(
         self,
@@ -373,7 +365,7 @@ class GrpcWorkerCaller:
                 await stub.ReportOutcomes(
                     router_pb2.ReportOutcomesRequest(outcomes=batch), timeout=self.pick_timeout_s
                 )
-            except (grpc.aio.AioRpcError, OmniflowError) as exc:
+            except OmniflowError as exc:
                 log.debug("ReportOutcomes (%d) failed: %s", len(batch), exc)
 
     async def close(self) -> None:

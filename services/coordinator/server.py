@@ -10,10 +10,9 @@ import redis.asyncio as aioredis
 
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
-from omniflow.errors import InvalidArgument, Unavailable
+from omniflow.errors import InvalidArgument, OmniflowError, Unavailable
 from omniflow.localredis import redact_url, redis_client
 from omniflow.rpc.server import Runtime, ServiceApp
-from omniflow.rpc.status import error_from_rpc
 from omniflow.security.tenancy import Tenancy
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
 from omniflow_services.coordinator.caller import GrpcWorkerCaller
@@ -115,8 +114,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         address, stub = await self.app.router()
         try:
             reply = await stub.ListWorkers(router_pb2.ListWorkersRequest())
-        except grpc.aio.AioRpcError as exc:
-            raise Unavailable(f"router at {address}: {error_from_rpc(exc)}") from exc
+        except OmniflowError as exc:  # whatever it was, the router is what failed
+            raise Unavailable(f"router at {address}: {exc}") from exc
         per_role: dict[str, int] = {}
         for w in reply.workers:
             per_role[w.role] = per_role.get(w.role, 0) + 1

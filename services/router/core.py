@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from omniflow.errors import InvalidArgument, NotFound
+from omniflow.kv.index_store import OwnerMatch
 from omniflow.workers import WorkerRecord
 
 STRATEGIES = (
@@ -48,18 +49,6 @@ VNODES = 64
 NEUTRAL_CODES = frozenset(
     {"INVALID_ARGUMENT", "NOT_FOUND", "CANCELLED", "FAILED_PRECONDITION", "ALREADY_EXISTS"}
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Reach:
-    """What the KV index says one owner holds of a prompt's leading blocks."""
-
-    owner_id: str
-    kind: str  # "worker" or "agent"
-    node: str
-    address: str
-    matched_blocks: int
-    blocks_per_tier: tuple[int, int, int]  # device, host, ssd
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +271,7 @@ class WorkerTable:
         operation: str = "",
         *,
         session_key: str = "",
-        reach: list[Reach] | None = None,
+        reach: list[OwnerMatch] | None = None,
         prompt_blocks: int = 0,
         temperature: float = 0.0,
         load_weight: float = 1.0,
@@ -322,7 +311,7 @@ class WorkerTable:
         strategy: str,
         cands: list[_Live],
         session_key: str,
-        reach: list[Reach] | None,
+        reach: list[OwnerMatch] | None,
         prompt_blocks: int,
         temperature: float,
         load_weight: float,
@@ -379,7 +368,7 @@ class WorkerTable:
         best.current -= total
         return best
 
-    def reachable(self, worker: WorkerRecord, reach: list[Reach]) -> tuple[float, int]:
+    def reachable(self, worker: WorkerRecord, reach: list[OwnerMatch]) -> tuple[float, int]:
         """(credit, leading blocks reachable) of one worker given the index's answer."""
         device = 0
         agent_blocks, host, ssd = 0, 0, 0
@@ -401,7 +390,7 @@ class WorkerTable:
         return credit, max(device, agent_blocks)
 
     def kv_costs(
-        self, cands: list[_Live], reach: list[Reach], prompt_blocks: int, load_weight: float
+        self, cands: list[_Live], reach: list[OwnerMatch], prompt_blocks: int, load_weight: float
     ) -> list[tuple[float, float, int, _Live]]:
         """(cost, prefill blocks, reachable blocks, worker) per candidate; see the module."""
         out = []
@@ -416,7 +405,7 @@ class WorkerTable:
     def _kv_aware(
         self,
         cands: list[_Live],
-        reach: list[Reach] | None,
+        reach: list[OwnerMatch] | None,
         prompt_blocks: int,
         temperature: float,
         load_weight: float,

@@ -13,19 +13,17 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-import grpc
-
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
+from omniflow.kv.index_store import KVIndex, OwnerMatch
+from omniflow.localredis import redis_client
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
-from omniflow.rpc.status import error_from_rpc
-from omniflow_services.router.core import Reach
 
 _KIND = {kvindex_pb2.OWNER_KIND_WORKER: "worker", kvindex_pb2.OWNER_KIND_AGENT: "agent"}
 
 
 class PrefixIndex(Protocol):
-    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[Reach]: ...
+    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[OwnerMatch]: ...
 
     async def close(self) -> None: ...
 
@@ -37,19 +35,16 @@ class GrpcPrefixIndex:
         self._resolve = resolve
         self._channel: tuple[str, TracedChannel] | None = None
 
-    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[Reach]:
+    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[OwnerMatch]:
         address = await self._resolve()
         if self._channel is None or self._channel[0] != address:
             if self._channel is not None:
                 await self._channel[1].close()
             self._channel = (address, open_channel(address, max_in_flight=None))
         stub = kvindex_pb2_grpc.KVIndexServiceStub(self._channel[1])
-        try:
-            reply = await stub.MatchPrefix(
-                kvindex_pb2.MatchPrefixRequest(namespace=namespace, block_hashes=list(hashes))
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        reply = await stub.MatchPrefix(
+            kvindex_pb2.MatchPrefixRequest(namespace=namespace, block_hashes=list(hashes))
+        )
         merged: dict[str, list[int]] = {}
         meta: dict[str, kvindex_pb2.OwnerMatch] = {}
         for o in reply.owners:
@@ -59,7 +54,7 @@ class GrpcPrefixIndex:
             per_tier[tier] = max(per_tier[tier], o.matched_blocks)
             meta.setdefault(o.owner_id, o)
         return [
-            Reach(
+            OwnerMatch(
                 owner_id=oid,
                 kind=_KIND.get(meta[oid].kind, "agent"),
                 node=meta[oid].node,
@@ -76,36 +71,23 @@ class GrpcPrefixIndex:
 
 
 class RedisPrefixIndex:
-    """The index core (``omniflow.kv.index_store.KVIndex``) on the index's Redis."""
+    """The index core (``omniflow.kv.index_store.KVIndex``) on the index's Redis; every
+    command has ``timeout_s`` as its socket deadline."""
 
-    def __init__(self, redis_url: str) -> None:
-        import redis.asyncio as aioredis
-
-        from omniflow.kv.index_store import KVIndex
-
-        self._redis = aioredis.from_url(redis_url)
+    def __init__(self, redis_url: str, timeout_s: float) -> None:
+        self._redis = redis_client(redis_url, timeout_s)
         self._index = KVIndex(self._redis)
         self._started = False
         self._lock = asyncio.Lock()
 
-    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[Reach]:
+    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[OwnerMatch]:
         if not self._started:
             async with self._lock:
                 if not self._started:
                     await self._index.start()
                     self._started = True
         result = await self._index.match_prefix(bytes.fromhex(namespace), list(hashes))
-        return [
-            Reach(
-                owner_id=o.owner_id,
-                kind=str(o.kind),
-                node=o.node,
-                address=o.address,
-                matched_blocks=o.matched_blocks,
-                blocks_per_tier=o.blocks_per_tier,
-            )
-            for o in result.owners
-        ]
+        return list(result.owners)
 
     async def close(self) -> None:
         await self._redis.aclose()

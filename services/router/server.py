@@ -24,11 +24,10 @@ from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.convert import strategy_name, strategy_value, worker_info
 from omniflow.discovery import find_address
-from omniflow.errors import InvalidArgument, OmniflowError
+from omniflow.errors import InvalidArgument, OmniflowError, Unavailable
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel, remaining_s
 from omniflow.rpc.server import Runtime, ServiceApp
-from omniflow.rpc.status import error_from_rpc
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
 from omniflow_services.router import metrics
 from omniflow_services.router.config import RouterSettings
@@ -149,17 +148,17 @@ class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
             stub = worker_pb2_grpc.WorkerServiceStub(self.app.channel(pick.worker.address))
             try:
                 reply = await getattr(stub, method)(request, timeout=self._timeout())
-            except grpc.aio.AioRpcError as exc:
-                self.app.table.finish(wid, ticket, False, exc.code().name)
+            except OmniflowError as exc:
+                self.app.table.finish(wid, ticket, False, exc.code_name)
                 if (
                     attempt == 1
-                    and exc.code() == grpc.StatusCode.UNAVAILABLE
+                    and isinstance(exc, Unavailable)
                     and self._retryable(method, context)
                 ):
                     self.app.table.count("proxy_retries")
                     exclude = (wid,)
                     continue
-                raise error_from_rpc(exc) from None
+                raise
             self.app.table.finish(wid, ticket, True)
             return reply
         raise AssertionError("unreachable")
@@ -181,18 +180,18 @@ class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
                 async for item in getattr(stub, method)(request, timeout=self._timeout()):
                     sent = True
                     yield item
-            except grpc.aio.AioRpcError as exc:
-                self.app.table.finish(wid, ticket, False, exc.code().name)
+            except OmniflowError as exc:
+                self.app.table.finish(wid, ticket, False, exc.code_name)
                 if (
                     attempt == 1
                     and not sent
-                    and exc.code() == grpc.StatusCode.UNAVAILABLE
+                    and isinstance(exc, Unavailable)
                     and self._retryable(method, context)
                 ):
                     self.app.table.count("proxy_retries")
                     exclude = (wid,)
                     continue
-                raise error_from_rpc(exc) from None
+                raise
             finally:
                 self._requests.pop(rid, None)
             self.app.table.finish(wid, ticket, True)
@@ -235,10 +234,7 @@ class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
         if address is None:
             return worker_pb2.AbortResponse(found=False)
         stub = worker_pb2_grpc.WorkerServiceStub(self.app.channel(address))
-        try:
-            return await stub.Abort(request, timeout=self._timeout())
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        return await stub.Abort(request, timeout=self._timeout())
 
 
 class RouterApp(ServiceApp):
@@ -271,7 +267,7 @@ class RouterApp(ServiceApp):
         if self.settings.kv_index == "grpc":
             self.index = GrpcPrefixIndex(self._index_address)
         elif self.settings.kv_index == "redis":
-            self.index = RedisPrefixIndex(self.settings.redis_url)
+            self.index = RedisPrefixIndex(self.settings.redis_url, self.settings.kv_index_timeout_s)
         first = asyncio.get_running_loop().create_future()
         self._tasks.append(asyncio.create_task(self._follow(runtime, first)))
         # SERVING only once the first listing of workers is in.
@@ -380,12 +376,12 @@ class RouterApp(ServiceApp):
             reply = await stub.GetLoad(
                 worker_pb2.GetLoadRequest(), timeout=self.settings.load_timeout_s
             )
-        except grpc.aio.AioRpcError as exc:
+        except OmniflowError as exc:
             log.debug(
                 "GetLoad of %s failed after %.1f ms: %s",
                 worker.worker_id,
                 (time.perf_counter() - started) * 1e3,
-                exc.code().name,
+                exc.code_name,
             )
             return None
         return reply.load

@@ -26,7 +26,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from omniflow import errors, telemetry
-from omniflow.rpc.status import domain_error, status_of
+from omniflow.rpc.status import domain_error, error_from_rpc, status_of
 from omniflow.security import policy
 from omniflow.security.identity import Identity
 from omniflow.security.transport import Security
@@ -355,7 +355,8 @@ def _wrap_stream(
 
 class TracedChannel:
     """A grpc.aio channel whose calls get a deadline, a CLIENT span with ``traceparent``,
-    and a bound on calls in flight.
+    and a bound on calls in flight. A failed call raises the domain error of its status
+    (``omniflow.rpc.status.error_from_rpc``; it is also a ``grpc.aio.AioRpcError``).
 
     Generated stubs take it like a channel. The wrapping happens here rather than in a
     ``grpc.aio`` client interceptor because that machinery adds a task per call; this
@@ -448,7 +449,7 @@ class _Unary:
             return await self._inner(request, timeout=timeout, metadata=md, **kw)
         except grpc.aio.AioRpcError as exc:
             _record_error(span, exc)
-            raise
+            raise error_from_rpc(exc) from None
         finally:
             span.end()
             self._channel.release()
@@ -508,7 +509,7 @@ class StreamCall:
                 yield item
         except grpc.aio.AioRpcError as exc:
             _record_error(span, exc)
-            raise
+            raise error_from_rpc(exc) from None
         finally:
             if self.call is not None and not self.call.done():
                 self.call.cancel()  # the consumer stopped early

@@ -1,6 +1,13 @@
-"""The one table that maps domain errors to gRPC status codes, and back for clients."""
+"""The one table that maps domain errors to gRPC status codes, and back for clients.
+
+Servers: an escaping domain error becomes its status (``status_of``). Clients: every call
+through :class:`omniflow.rpc.interceptors.TracedChannel` that fails raises the domain error
+of its status (``error_from_rpc``), so callers catch ``omniflow.errors`` and never re-wrap.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import grpc
 import redis.exceptions as redis_exc
@@ -18,7 +25,27 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.OmniflowError]] = {
     grpc.StatusCode.CANCELLED: errors.Cancelled,
     grpc.StatusCode.DATA_LOSS: errors.DataLoss,
     grpc.StatusCode.UNIMPLEMENTED: errors.Unimplemented,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
 }
+
+
+def _remote(base: type[errors.OmniflowError]) -> type[errors.OmniflowError]:
+    """``base`` as a failed call raises it: also a ``grpc.aio.AioRpcError`` (``code()``,
+    ``details()``, metadata), so that code written against grpc's error keeps working.
+    Its message is the status details, as for a domain error raised locally."""
+    return type(
+        base.__name__,
+        (base, grpc.aio.AioRpcError),
+        {"__module__": __name__, "__qualname__": base.__name__, "__str__": Exception.__str__},
+    )
+
+
+# Built once: one class per code, so ``except errors.NotFound`` and ``type(exc)`` behave.
+_REMOTE: dict[grpc.StatusCode, type[errors.OmniflowError]] = {
+    code: _remote(cls) for code, cls in _BY_CODE.items()
+}
+_REMOTE_OTHER = _remote(errors.OmniflowError)  # UNKNOWN, INTERNAL, ABORTED...
 
 
 def status_of(exc: errors.OmniflowError) -> grpc.StatusCode:
@@ -45,11 +72,26 @@ def domain_error(exc: BaseException) -> errors.OmniflowError | None:
 
 
 def error_from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError) -> errors.OmniflowError:
-    """The domain error for a failed call, so that cores never see gRPC types."""
+    """The domain error for a failed call (the table above, read backwards), so that cores
+    never see gRPC types. One already mapped is returned as is."""
+    if isinstance(exc, errors.OmniflowError):
+        return exc
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    cls = _BY_CODE.get(code, errors.OmniflowError)
-    return cls(details or code.name)
+    err = _REMOTE.get(code, _REMOTE_OTHER)(  # type: ignore[call-arg]
+        code,
+        _call_value(exc, "initial_metadata"),
+        _call_value(exc, "trailing_metadata"),
+        details,
+        _call_value(exc, "debug_error_string"),
+    )
+    err.args = (details or code.name,)
+    return err
+
+
+def _call_value(exc: BaseException, name: str) -> Any:
+    getter = getattr(exc, name, None)
+    return getter() if callable(getter) else None
 
 
 def unimplemented(capability: str) -> errors.Unimplemented:

@@ -1,0 +1,144 @@
+"""One real topology for the fuzz tests, shared by the package: Redis, kv-index, kv-agent,
+an llm worker (the cached tiny qwen2 model: real engine, small), a router, a coordinator
+and the gateway — separate processes on their own ports, ended by PID at teardown.
+
+Plaintext and no auth (the development setting): the fuzz aims at the handlers behind
+the policy check, which with auth on would refuse most of it before parsing a field.
+Each test appends its row to ``OMNIFLOW_FUZZ_REPORT`` (JSON lines) when that is set;
+``bench/fuzz.py`` prints the table from it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fuzzer import rss_kb
+from procs import ServiceProc
+
+from omniflow.localredis import LocalRedisError, find_redis_server, start_redis
+
+HOST_BYTES = 4 * 1024 * 1024
+MAX_INLINE = 256 * 1024  # the coordinator's inline-input bound, small so that past it is cheap
+MAX_BODY = 256 * 1024  # the gateway's body bound
+
+
+@dataclass
+class FuzzTopology:
+    procs: dict[str, ServiceProc]
+    redis_url: str
+    tmp: Path
+
+    def addr(self, name: str) -> str:
+        return self.procs[name].address
+
+    def alive(self, name: str) -> bool:
+        return self.procs[name].popen.poll() is None
+
+    def rss_kb(self, name: str) -> int:
+        return rss_kb(self.procs[name].pid)
+
+    def log_tracebacks(self, name: str) -> int:
+        log = self.procs[name].log
+        return log.read_text(errors="replace").count("Traceback") if log.exists() else 0
+
+
+@pytest.fixture(scope="package")
+def fuzz_topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzTopology]:
+    pytest.importorskip("torch", reason="the fuzzed llm worker needs torch")
+    try:
+        binary = find_redis_server()
+    except LocalRedisError as exc:
+        pytest.skip(f"needs a redis-server: {exc}")
+    tmp = tmp_path_factory.mktemp("fuzz")
+    redis = start_redis(dir=tmp / "redis", binary=binary)
+    started: list[ServiceProc] = []
+
+    def launch(module: str, name: str, **env: str) -> ServiceProc:
+        ready, log = tmp / f"{name}.ready.json", tmp / f"{name}.log"
+        full_env = {
+            **os.environ,
+            "OMNIFLOW_REDIS_URL": redis.url,
+            "OMNIFLOW_DISCOVERY": "redis",
+            "OMNIFLOW_PORT": "0",
+            "OMNIFLOW_METRICS_PORT": "-1",
+            "OMNIFLOW_READY_FILE": str(ready),
+            "OMNIFLOW_INSTANCE_ID": name,
+            "OMNIFLOW_NODE_ID": "fuzz-node",
+            "OMNIFLOW_TLS": "off",
+            "OMNIFLOW_AUTH": "off",
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+        for key in ("OMNIFLOW_TOKEN", "OMNIFLOW_TLS_CA", "OMNIFLOW_TLS_CERT", "OMNIFLOW_TLS_KEY"):
+            full_env.pop(key, None)
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", module],
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        proc = ServiceProc(name, popen, ready, log)
+        started.append(proc)
+        return proc
+
+    try:
+        index = launch("omniflow_services.kv_index", "kv-index").wait_ready(60)
+        agent = launch(
+            "omniflow_services.kv_agent",
+            "kv-agent",
+            OMNIFLOW_KV_INDEX_ADDR=index.address,
+            OMNIFLOW_KV_HOST_BYTES=str(HOST_BYTES),
+            OMNIFLOW_KV_SHM_TAG=f"fz{os.getpid()}",
+        ).wait_ready(60)
+        worker = launch(
+            "omniflow_services.worker",
+            "llm-1",
+            OMNIFLOW_WORKER_ROLE="llm",
+            OMNIFLOW_WORKER_MODEL="tiny:qwen2",
+            OMNIFLOW_KV_AGENT_ADDR=agent.address,
+            OMNIFLOW_WORKER_KV_BYTES=str(8 * 1024 * 1024),
+            OMNIFLOW_WORKER_TORCH_THREADS="1",
+        )
+        router = launch(
+            "omniflow_services.router",
+            "router",
+            OMNIFLOW_KV_INDEX_ADDR=index.address,
+            OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.5",
+        ).wait_ready(60)
+        coordinator = launch(
+            "omniflow_services.coordinator",
+            "coordinator",
+            OMNIFLOW_ROUTER_ADDR=router.address,
+            OMNIFLOW_COORDINATOR_MAX_INLINE_BYTES=str(MAX_INLINE),
+            OMNIFLOW_COORDINATOR_MAX_INPUT_BYTES=str(4 * MAX_INLINE),
+        ).wait_ready(60)
+        worker.wait_ready(240)
+        launch(
+            "omniflow_services.gateway",
+            "gateway",
+            OMNIFLOW_GATEWAY_PORT="0",
+            OMNIFLOW_GATEWAY_MAX_BODY_BYTES=str(MAX_BODY),
+            OMNIFLOW_ROUTER_ADDR=router.address,
+            OMNIFLOW_COORDINATOR_ADDR=coordinator.address,
+        ).wait_ready(60)
+        yield FuzzTopology({p.name: p for p in started}, redis.url, tmp)
+    finally:
+        for proc in reversed(started):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in reversed(started):
+            try:
+                proc.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+        redis.stop()
