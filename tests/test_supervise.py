@@ -20,6 +20,7 @@ import pytest
 
 from omniflow.client import Client
 from omniflow.dsl import VType, Workflow
+from omniflow.security.local import local_client
 
 OMNIFLOW = shutil.which("omniflow") or str(Path(sys.executable).with_name("omniflow"))
 
@@ -87,7 +88,8 @@ def test_up_restarts_killed_services_and_down_ends_all(tmp_path: Path) -> None:
                 await client.register(_shout())
                 return (await client.run("shout", {"text": "a"})).outputs["text"]
 
-        assert asyncio.run(register_and_run()) == "echo: a"
+        with local_client(run_dir):  # up runs mutual TLS + auth: the run folder's client cert
+            assert asyncio.run(register_and_run()) == "echo: a"
 
         for name in ("redis", "router", "llm-1"):
             os.kill(by_name[name]["pid"], signal.SIGKILL)
@@ -108,7 +110,8 @@ def test_up_restarts_killed_services_and_down_ends_all(tmp_path: Path) -> None:
                 names = [w.name for w in await client.list_workflows()]
                 return names, result.outputs.get("text", result.error)
 
-        assert asyncio.run(still_there()) == (["shout"], "echo: b")
+        with local_client(run_dir):
+            assert asyncio.run(still_there()) == (["shout"], "echo: b")
         for log in (run_dir / "logs").glob("*.log"):
             assert password not in log.read_text(errors="replace"), log.name
     finally:

@@ -53,8 +53,12 @@ def _split(addresses: str) -> list[str]:
     return [a.strip() for a in addresses.split(",") if a.strip()]
 
 
+def _run_folder() -> Path:
+    return Path(os.environ.get("OMNIFLOW_RUN_DIR", ".omniflow/run"))
+
+
 def _local_state() -> dict[str, Any]:
-    state = Path(os.environ.get("OMNIFLOW_RUN_DIR", ".omniflow/run")) / "state.json"
+    state = _run_folder() / "state.json"
     try:
         return dict(json.loads(state.read_text()))
     except (OSError, ValueError):
@@ -128,9 +132,17 @@ class Client:
         timeout_s: float = 30.0,
         failover_s: float = FAILOVER_S,
         resume_s: float = RESUME_S,
+        run_dir: Path | None = None,
     ) -> None:
         self._explicit = address
         self._addresses = coordinator_addresses(address)
+        local = not _split(address) and not _split(os.environ.get("OMNIFLOW_COORDINATOR_ADDR", ""))
+        if run_dir is not None or local:
+            # A local topology (``omniflow up``; ``run_dir`` names its run folder when the
+            # addresses are given): present that run folder's client certificate and token.
+            from omniflow.security.local import use_local_security
+
+            use_local_security(run_dir if run_dir is not None else _run_folder())
         self.address = self._addresses[0]
         self.timeout_s, self.failover_s, self.resume_s = timeout_s, failover_s, resume_s
         self._channels: dict[str, tuple[Any, coordinator_pb2_grpc.CoordinatorServiceStub]] = {}

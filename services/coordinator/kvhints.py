@@ -36,6 +36,8 @@ from prometheus_client import Counter
 
 from omniflow.chat import Preprocessor, acached_preprocessor
 from omniflow.kv.blocks import DEFAULT_PAGE_SIZE
+from omniflow.security.kvsalt import kv_salt
+from omniflow.security.policy import caller_tenant
 from omniflow.workers import WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -165,7 +167,8 @@ class KVHinter:
         model = self._model(role, await self._role_workers(role), namespace)
         if model is None:
             return NO_WORKERS, None
-        key = xxhash.xxh3_128_digest(model.namespace + prompt.key())
+        # Per tenant: its hashes carry its salt (omniflow.security.kvsalt).
+        key = xxhash.xxh3_128_digest(model.namespace + kv_salt(caller_tenant()) + prompt.key())
         cached = self._cache.get(key)
         if cached is not None:
             return (HINTED if cached.block_hashes else SHORT), cached

@@ -3,6 +3,9 @@
 The guard (a plain ASGI middleware, cheaper than Starlette's BaseHTTPMiddleware) gives
 every response an ``x-request-id``, checks the optional API key, bounds the requests in
 flight (429 past it) and the body size (413), and counts requests by route and status.
+With a key table (``OMNIFLOW_GATEWAY_API_KEYS_FILE``, ``omniflow.security.apikeys``) the
+key names the request's tenant: it is the caller of every gRPC call made for the request
+(``security.policy.current``), which forwards it to the coordinator, router and workers.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import hmac
 import json
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +25,10 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omniflow.errors import OmniflowError
+from omniflow.security import policy
+from omniflow.security.apikeys import ApiKeyTable
+from omniflow.security.identity import Principal
+from omniflow.security.transport import state as security_state
 from omniflow_services.gateway import metrics
 from omniflow_services.gateway.config import GatewaySettings
 from omniflow_services.gateway.core import GatewayCore, new_id
@@ -52,6 +60,9 @@ class Guard:
     def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
         self.app = app
         self.key = settings.api_key.encode()
+        keys_file = settings.api_keys_file
+        self.keys = ApiKeyTable.load(Path(keys_file)) if keys_file else None
+        self.identity = security_state().identity  # the gateway's own (None with TLS off)
         self.max_body = settings.max_body_bytes
         self.max_in_flight = settings.max_in_flight
         self.in_flight = 0
@@ -96,19 +107,30 @@ class Guard:
                 return
             self.in_flight += 1
             metrics.IN_FLIGHT.inc()
+            acting = policy.set_current(self._caller(headers))
             try:
                 await self.app(scope, self._bounded(receive), send_with_id)
             finally:
+                policy.reset_current(acting)
                 self.in_flight -= 1
                 metrics.IN_FLIGHT.dec()
         finally:
             metrics.REQUESTS.labels(route, str(status[0])).inc()
 
+    def _caller(self, headers: dict[bytes, bytes]) -> Principal:
+        """Whom the request acts for: the tenant of its key (checked by ``_check``), or the
+        gateway itself (no key table, or an admin key: the shared tenant "")."""
+        grant = self.keys.lookup(_bearer(headers).decode("latin-1")) if self.keys else None
+        if grant is None or not grant.tenant:
+            return policy.current()
+        return Principal(self.identity, grant.tenant, frozenset({"user"}))
+
     def _check(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
-        if self.key and path not in OPEN_PATHS:
-            auth = headers.get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+        if (self.key or self.keys is not None) and path not in OPEN_PATHS:
+            token = _bearer(headers)
+            in_table = self.keys is not None and self.keys.lookup(token.decode("latin-1"))
+            matches = bool(self.key) and hmac.compare_digest(token, self.key)
+            if not token or not (in_table or matches):
                 return APIError(
                     401,
                     "missing or wrong API key: send `Authorization: Bearer <key>`",
@@ -143,6 +165,12 @@ class Guard:
             return message
 
         return bounded
+
+
+def _bearer(headers: dict[bytes, bytes]) -> bytes:
+    """The key of ``Authorization: Bearer <key>`` (b"" when absent or another scheme)."""
+    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
 
 
 def build_app(settings: GatewaySettings, core: GatewayCore, serving: Callable[[], bool]) -> ASGIApp:

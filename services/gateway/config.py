@@ -34,6 +34,12 @@ class GatewaySettings(CommonSettings):
         "",
         "when set, requests need `Authorization: Bearer <key>`; empty: no key",
     )
+    api_keys_file: str = setting(
+        "OMNIFLOW_GATEWAY_API_KEYS_FILE",
+        "",
+        'JSON key table {"keys": [{"key", "tenant", "admin"}]}: each key acts for its tenant '
+        "(runs, workflows, KV pages); requests need one of them (docs/security.md)",
+    )
     max_body_bytes: int = setting(
         "OMNIFLOW_GATEWAY_MAX_BODY_BYTES",
         16 * 1024 * 1024,

@@ -25,6 +25,7 @@ from typing import Any
 from omniflow.chat.template import ChatTemplate, read_template
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import DEFAULT_PAGE_SIZE, block_hashes
+from omniflow.security.kvsalt import salted_extra_keys
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -161,8 +162,10 @@ class Preprocessor:
     def block_hashes(
         self, ids: Sequence[int], extra_keys: Mapping[int, bytes] | None = None
     ) -> list[bytes]:
-        """The full pages' hashes under this namespace (DESIGN §4.1)."""
-        return block_hashes(self.namespace, ids, self.page_size, extra_keys)
+        """The full pages' hashes under this namespace (DESIGN §4.1), salted with the tenant
+        of the call being served, as the worker salts them (``omniflow.security.kvsalt``)."""
+        salted = salted_extra_keys(dict(extra_keys) if extra_keys else None)
+        return block_hashes(self.namespace, ids, self.page_size, salted)
 
     async def aencode_chat(
         self, messages: Messages, add_generation_prompt: bool = True

@@ -8,6 +8,10 @@ PID still runs the command that was started. ``up`` starts a supervisor last
 (``omniflow.cli.supervise``, its PID in ``state.json``) that restarts a process that
 dies, with backoff; ``down`` ends the supervisor first. ``state.json`` is readable by its
 owner only: it holds the Redis URL with the password of the Redis ``up`` started.
+
+Every process runs with mutual TLS and auth (``omniflow.security.local``: a CA, a
+certificate per process, tokens and gateway API keys under ``pki/``); ``up --insecure``
+(or ``OMNIFLOW_UP_TLS=off``) runs plaintext, for development only.
 """
 
 from __future__ import annotations
@@ -222,8 +226,10 @@ async def _statuses(procs: list[Proc]) -> list[str]:
     return list(await asyncio.gather(*(one(p) for p in procs)))
 
 
-async def up(topology: Topology, start_timeout_s: float = 120.0) -> int:
+async def up(topology: Topology, start_timeout_s: float = 120.0, insecure: bool = False) -> int:
+    """Start ``topology``; mutual TLS and auth unless ``insecure`` (or OMNIFLOW_UP_TLS=off)."""
     folder = run_dir()
+    secure = not insecure and local_security.enabled()
     procs, _ = _load_state(folder)
     sup = _supervisor(folder)
     if any(_alive(p) for p in procs) or (sup is not None and _alive(sup)):
@@ -262,11 +268,12 @@ async def up(topology: Topology, start_timeout_s: float = 120.0) -> int:
         env["OMNIFLOW_REDIS_URL"] = redis_url
         plan = _plan(topology)
         pki = None
-        if local_security.enabled():  # mutual TLS and auth (docs/security.md); opt-in for now
+        if secure:  # mutual TLS and auth (docs/security.md)
             pki = local_security.prepare(folder, topology.node, [(n, m) for n, m, _ in plan])
             local_security.use_local_security(folder)
         else:
             local_security.clear(folder)
+            print("PLAINTEXT, no auth (--insecure / OMNIFLOW_UP_TLS=off): for development only")
         for name, module, extra in plan:
             secure = pki.env_for(name, module) if pki else {}
             proc = _spawn(folder, name, module, {**env, **extra, **secure})
@@ -288,6 +295,12 @@ async def up(topology: Topology, start_timeout_s: float = 120.0) -> int:
     print_table(procs, await _statuses(procs))
     if supervisor:
         print(f"supervisor pid {supervisor}: restarts a crashed process (with backoff)")
+    if secure:
+        client = folder / local_security.PKI_DIR / local_security.CLIENT_FILE
+        print(
+            f"\nmutual TLS and tokens on; client certificate, tokens and gateway API keys "
+            f"(gateway_api_key) in {client}"
+        )
     print(f"\nlogs: {folder / 'logs'}   stop: omniflow down")
     return 0
 
@@ -369,7 +382,9 @@ def down() -> int:
 
 def local_address(name: str) -> str | None:
     """The address of service ``name`` ("router", "coordinator", "llm-1", ...) of the
-    running local topology, or None when it is not running."""
+    running local topology, or None when it is not running. The caller becomes a client
+    of that topology: it presents the run folder's certificate and admin token."""
+    local_security.use_local_security(run_dir())
     procs, _ = _load_state(run_dir())
     for p in procs:
         if p.name == name and _alive(p):

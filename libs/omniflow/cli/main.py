@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_up = sub.add_parser("up", help="start the local topology and wait until it is healthy")
     p_up.add_argument("--topology", type=Path, help="topology YAML (default: two llm workers)")
     p_up.add_argument("--timeout", type=float, default=120.0, help="seconds per service start")
+    p_up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext, no tokens (development only; default: mutual TLS and auth)",
+    )
     sub.add_parser("status", help="show the local topology")
     sub.add_parser("down", help="stop everything `omniflow up` started")
     p_set = sub.add_parser("settings", help="print every setting as a Markdown table")
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             from omniflow.cli import local
             from omniflow.cli.topology import load_topology
 
-            return asyncio.run(local.up(load_topology(args.topology), args.timeout))
+            topology = load_topology(args.topology)
+            return asyncio.run(local.up(topology, args.timeout, insecure=args.insecure))
         if args.command == "status":
             from omniflow.cli import local
 

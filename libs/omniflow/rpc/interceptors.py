@@ -417,7 +417,10 @@ class TracedChannel:
             timeout = min(timeout, max(left, 0.0))
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-        return span, timeout, (*self.metadata, *tuple(metadata or ()), *carrier.items())
+        # The tenant of the call being served travels on (security.policy), before the
+        # caller's own metadata (which may name one itself).
+        forward = policy.forwarding_metadata()
+        return span, timeout, (*self.metadata, *forward, *tuple(metadata or ()), *carrier.items())
 
     async def acquire(self) -> None:
         if self._slots is not None:

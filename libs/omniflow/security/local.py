@@ -1,26 +1,37 @@
 """Security of the local topology (``omniflow up``): a CA and certificates in the run folder.
 
-Opt-in for now (``OMNIFLOW_UP_TLS=on``): ``up`` calls :func:`prepare` with its plan, gives
+On by default; plaintext only for development, when asked for (``omniflow up --insecure``
+or ``OMNIFLOW_UP_TLS=off``). ``up`` calls :func:`prepare` with its plan, gives
 each process :meth:`LocalPKI.env_for` in its spawn env (saved with it, so the supervisor's
 restarts keep it), and every client of the topology started from this machine — the CLI,
 a test — calls :func:`use_local_security` to present the run folder's client certificate
 and its admin token. Services started directly (not through ``up``) are not affected.
+
+The gateway's HTTP side takes API keys (``pki/gateway-keys.json``): ``gateway_api_key`` in
+``pki/client.json`` acts for the tenant ``local``, ``gateway_admin_key`` for the shared one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from omniflow.cli.certs import Bundle, make_bundle
 from omniflow.config import SecuritySettings
+from omniflow.errors import InvalidArgument
+from omniflow.security.apikeys import write_keys
 from omniflow.security.identity import Identity
 from omniflow.security.transport import configure
 
 PKI_DIR = "pki"
 CLIENT_FILE = "client.json"
+GATEWAY_KEYS_FILE = "gateway-keys.json"
+LOCAL_TENANT = "local"
 USER_GRANT, ADMIN_GRANT = "local:user", ":admin"
 
 #: ``omniflow up``'s module of a process → the kind of its identity (any other: a worker).
@@ -33,22 +44,36 @@ KIND_OF_MODULE = {
 }
 
 
+UP_TLS_VAR = "OMNIFLOW_UP_TLS"
+_OFF, _ON = ("off", "0", "false", "no"), ("on", "1", "true", "yes")
+
+
 def enabled() -> bool:
-    """Whether ``omniflow up`` turns mutual TLS and auth on (``OMNIFLOW_UP_TLS=on``)."""
-    return os.environ.get("OMNIFLOW_UP_TLS", "off").strip().lower() in ("on", "1", "true")
+    """Whether ``omniflow up`` turns mutual TLS and auth on: yes unless ``OMNIFLOW_UP_TLS``
+    is ``off`` (development; ``omniflow up --insecure`` sets it)."""
+    value = os.environ.get(UP_TLS_VAR, "on").strip().lower() or "on"
+    if value in _OFF:
+        return False
+    if value in _ON:
+        return True
+    raise InvalidArgument(f"{UP_TLS_VAR}={value!r}; accepted: on, off")
 
 
 @dataclass(frozen=True, slots=True)
 class LocalPKI:
     bundle: Bundle
     node: str
+    gateway_keys: Path
 
     def identity(self, name: str, module: str) -> Identity:
         return Identity(KIND_OF_MODULE.get(module, "worker"), self.node, name)
 
     def env_for(self, name: str, module: str) -> dict[str, str]:
         """The security env of process ``name`` (its instance id) running ``module``."""
-        return self.bundle.env_for(self.identity(name, module))
+        env = self.bundle.env_for(self.identity(name, module))
+        if module == "gateway" and not os.environ.get("OMNIFLOW_GATEWAY_API_KEYS_FILE"):
+            env["OMNIFLOW_GATEWAY_API_KEYS_FILE"] = str(self.gateway_keys)  # else: the user's
+        return env
 
 
 def prepare(folder: Path, node: str, plan: list[tuple[str, str]]) -> LocalPKI:
@@ -59,6 +84,15 @@ def prepare(folder: Path, node: str, plan: list[tuple[str, str]]) -> LocalPKI:
     client = Identity("client", node, "cli")
     bundle = make_bundle(pki, [*ids, client], [USER_GRANT, ADMIN_GRANT])
     issued = bundle.certs[client.uri]
+    user_key, admin_key = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    gateway_keys = pki / GATEWAY_KEYS_FILE
+    write_keys(
+        gateway_keys,
+        [
+            {"key": user_key, "tenant": LOCAL_TENANT},
+            {"key": admin_key, "tenant": "", "admin": True},
+        ],
+    )
     record = {
         "OMNIFLOW_TLS": "on",
         "OMNIFLOW_TLS_CA": str(bundle.ca),
@@ -66,12 +100,14 @@ def prepare(folder: Path, node: str, plan: list[tuple[str, str]]) -> LocalPKI:
         "OMNIFLOW_TLS_KEY": str(issued.key),
         "OMNIFLOW_TOKEN": bundle.tokens[ADMIN_GRANT],
         "user_token": bundle.tokens[USER_GRANT],
+        "gateway_api_key": user_key,
+        "gateway_admin_key": admin_key,
     }
     path = pki / CLIENT_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
         json.dump(record, out, indent=1)
-    return LocalPKI(bundle, node)
+    return LocalPKI(bundle, node, gateway_keys)
 
 
 def client_settings(folder: Path) -> SecuritySettings | None:
@@ -99,6 +135,24 @@ def use_local_security(folder: Path) -> bool:
         return False
     configure(settings)
     return True
+
+
+@contextlib.contextmanager
+def local_client(folder: Path) -> Iterator[bool]:
+    """:func:`use_local_security` for a block; the process's own settings come back after
+    (a test that drives an ``omniflow up`` topology, then plaintext services of its own)."""
+    used = use_local_security(folder)
+    try:
+        yield used
+    finally:
+        if used:
+            configure(None)
+
+
+def client_record(folder: Path) -> dict[str, str]:
+    """``pki/client.json`` of a secured topology (its tokens and gateway keys), or {}."""
+    path = folder / PKI_DIR / CLIENT_FILE
+    return dict(json.loads(path.read_text())) if path.is_file() else {}
 
 
 def clear(folder: Path) -> None:

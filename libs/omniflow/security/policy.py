@@ -13,7 +13,13 @@ import contextvars
 from dataclasses import dataclass
 
 from omniflow.errors import NotFound, PermissionDenied
-from omniflow.security.identity import SERVICE_KINDS, UNCHECKED, Identity, Principal
+from omniflow.security.identity import (
+    SERVICE_KINDS,
+    UNCHECKED,
+    Identity,
+    Principal,
+    forwarded,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,3 +212,12 @@ def require_may_change(owner_tenant: str | None, what: str) -> None:
     if owner_tenant is None or who.is_admin or owner_tenant == who.tenant:
         return
     raise PermissionDenied(f"{what} belongs to another tenant; only it or an admin may change it")
+
+
+def forwarding_metadata() -> tuple[tuple[str, str], ...]:
+    """Metadata naming the tenant of the call being served, sent with every call made
+    while serving it (a coordinator's node calls, the gateway's Pick and Generate): the
+    next service then checks and keys the call as that tenant's. Believed only from a
+    gateway, coordinator or router certificate (``identity.FORWARDERS``)."""
+    tenant = _CALLER.get().tenant
+    return forwarded(tenant) if tenant else ()

@@ -47,6 +47,8 @@ from omniflow.client import Client
 from omniflow.dsl import Retry, VType, Workflow
 from omniflow.errors import OmniflowError
 from omniflow.rpc.client import open_channel
+from omniflow.security.local import use_local_security
+from omniflow.security.transport import configure as configure_security
 
 KILL_ORDER = ("llm-1", "kv-agent", "router", "coordinator", "kv-index", "redis")
 WORKFLOW = "chaos"
@@ -350,6 +352,9 @@ async def chaos(
     topo = LocalTopology(root, replicas=replicas)
     topo.up()
     started = topo.all_pids()
+    # `omniflow up` runs mutual TLS and auth: this process presents its run folder's client
+    # certificate and admin token (and its own settings come back afterwards).
+    secured = use_local_security(topo.run_dir)
     try:
         coordinators = ",".join(topo.addresses("coordinator"))
         async with Client(coordinators, resume_s=30.0) as client:
@@ -373,6 +378,8 @@ async def chaos(
     finally:
         started |= topo.all_pids()
         topo.down()
+        if secured:
+            configure_security(None)
         left = _reap_leftovers(started, topo.run_dir)
     return ChaosResult(phases, stuck, left)
 

@@ -19,6 +19,7 @@ from typing import Any
 from omniflow.chat import Preprocessor
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import block_hashes
+from omniflow.security.kvsalt import salted_extra_keys
 from omniflow_services.worker.engine import (
     Engine,
     EngineConfig,
@@ -82,7 +83,7 @@ class LLMRole:
 
     def prompt_hashes(self, ids: Sequence[int]) -> list[bytes]:
         layout = self.engine.layout
-        return block_hashes(layout.namespace, ids, layout.page_size)
+        return block_hashes(layout.namespace, ids, layout.page_size, salted_extra_keys(None))
 
     def request_id(self, given: str) -> str:
         # Unguessable: anyone who can call Abort must not be able to name others' requests.
@@ -91,6 +92,8 @@ class LLMRole:
     def generate(
         self, request_id: str, ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
+        # The caller's tenant salts the prompt's block hashes: its pages are its own.
+        extra = salted_extra_keys(None)
         return self.engine.generate(
-            GenerateRequest(request_id, prompt_token_ids=ids, params=params)
+            GenerateRequest(request_id, prompt_token_ids=ids, params=params, extra_keys=extra)
         )

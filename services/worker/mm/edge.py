@@ -25,6 +25,7 @@ from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime
 from omniflow.rpc.status import error_from_rpc
+from omniflow.security.kvsalt import salted_extra_keys
 from omniflow.workers import WORKER_SERVICE, worker_from_instance
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
@@ -284,7 +285,8 @@ class MultimodalEdge:
         ids = list(pages.token_ids.ids)
         if not ids:
             raise InvalidArgument("prompt_pages.token_ids is empty")
-        want = block_hashes(layout.namespace, ids, layout.page_size)
+        # Pages an llm stored for this tenant hash with its salt (security.tenancy).
+        want = block_hashes(layout.namespace, ids, layout.page_size, salted_extra_keys(None))
         given = list(pages.block_hashes)
         if given != want[: len(given)]:
             raise InvalidArgument(
