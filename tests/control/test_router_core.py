@@ -7,8 +7,9 @@ import collections
 import pytest
 
 from omniflow.errors import InvalidArgument, NotFound
+from omniflow.kv.index_store import OwnerMatch
 from omniflow.workers import WorkerRecord
-from omniflow_services.router.core import CircuitBreaker, Reach, WorkerTable
+from omniflow_services.router.core import CircuitBreaker, WorkerTable
 
 
 def _table(n: int = 3, **kw) -> WorkerTable:
@@ -84,11 +85,25 @@ def test_weighted_follows_the_weights():
     assert counts == {"w0": 100, "w1": 200, "w2": 300}  # smooth WRR is exact per cycle
 
 
+def _owner(
+    owner_id: str, kind: str, node: str, address: str, matched: int, per_tier: tuple[int, int, int]
+) -> OwnerMatch:
+    """What the index answers for one owner of a prompt's leading blocks."""
+    return OwnerMatch(
+        owner_id=owner_id,
+        node=node,
+        address=address,
+        kind=kind,
+        matched_blocks=matched,
+        blocks_per_tier=per_tier,
+    )
+
+
 def test_kv_aware_prefers_reachable_blocks_with_tier_credit():
     t = _table()
     reach = [
-        Reach("w1", "worker", "node1", "127.0.0.1:9001", 8, (8, 0, 0)),
-        Reach("agent-node0", "agent", "node0", "x", 10, (0, 10, 0)),
+        _owner("w1", "worker", "node1", "127.0.0.1:9001", 8, (8, 0, 0)),
+        _owner("agent-node0", "agent", "node0", "x", 10, (0, 10, 0)),
     ]
     r = t.pick("llm", "kv_aware", reach=reach, prompt_blocks=10)
     # w0 and w2 sit on node0: 10 host blocks → credit 7.5, cost 2.5; w1: credit 8 → cost 2.
@@ -96,13 +111,13 @@ def test_kv_aware_prefers_reachable_blocks_with_tier_credit():
     assert r.reachable_blocks == 8
     credit, reachable = t.reachable(t.list()[0], reach)
     assert (credit, reachable) == (pytest.approx(7.5), 10)
-    ssd = [Reach("agent-node0", "agent", "node0", "x", 10, (0, 0, 10))]
+    ssd = [_owner("agent-node0", "agent", "node0", "x", 10, (0, 0, 10))]
     assert t.reachable(t.list()[0], ssd)[0] == pytest.approx(2.5)
 
 
 def test_kv_aware_weighs_load_and_falls_back_to_load_only():
     t = _table()
-    reach = [Reach("w1", "worker", "node1", "127.0.0.1:9001", 4, (4, 0, 0))]
+    reach = [_owner("w1", "worker", "node1", "127.0.0.1:9001", 4, (4, 0, 0))]
     for _ in range(6):
         t.begin("w1")  # 6 outstanding outweigh 4 cached blocks
     r = t.pick("llm", "kv_aware", reach=reach, prompt_blocks=8)
@@ -113,7 +128,7 @@ def test_kv_aware_weighs_load_and_falls_back_to_load_only():
 
 def test_kv_aware_weighs_prefill_already_queued_on_a_worker():
     t = _table()
-    reach = [Reach("w1", "worker", "node1", "127.0.0.1:9001", 8, (8, 0, 0))]
+    reach = [_owner("w1", "worker", "node1", "127.0.0.1:9001", 8, (8, 0, 0))]
     r = t.pick("llm", "kv_aware", reach=reach, prompt_blocks=10)
     assert (r.worker.worker_id, r.cost, r.prefill_blocks) == ("w1", 2.0, 2.0)
     big = t.begin("w1", 30.0)  # a long prefill the router sent to w1, not finished yet
@@ -129,7 +144,7 @@ def test_kv_aware_weighs_prefill_already_queued_on_a_worker():
 
 def test_kv_aware_load_is_in_blocks_so_a_long_cached_prompt_still_moves():
     t = _table()
-    reach = [Reach("w1", "worker", "node1", "127.0.0.1:9001", 90, (90, 0, 0))]
+    reach = [_owner("w1", "worker", "node1", "127.0.0.1:9001", 90, (90, 0, 0))]
     t.begin("w1", 80.0)
     t.begin("w1", 80.0)
     t.begin("w2", 1.0)
