@@ -30,7 +30,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from omniflow.config import CommonSettings, SettingsError, load_settings
+from omniflow.cli import certs as certs_cli
+from omniflow.cli.main import build_parser
+from omniflow.config import CommonSettings, SecuritySettings, SettingsError, load_settings
+from omniflow.security.identity import Identity
 from omniflow_services.coordinator.config import CoordinatorSettings
 from omniflow_services.gateway.config import GatewaySettings
 from omniflow_services.kv_agent.config import KVAgentSettings
@@ -40,6 +43,7 @@ from omniflow_services.worker.config import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+INSECURE_FILE = ROOT / "compose" / "insecure.yml"
 DOCKERFILE = ROOT / "compose" / "Dockerfile"
 HEALTHCHECK = ROOT / "compose" / "healthcheck.py"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -106,15 +110,19 @@ def compose_cmd(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], di
     return [str(binary)], env
 
 
-@pytest.fixture(scope="module")
-def config(compose_cmd: tuple[list[str], dict[str, str]]) -> dict[str, Any]:
+def _resolve(compose_cmd: tuple[list[str], dict[str, str]], *files: Path) -> dict[str, Any]:
     cmd, env = compose_cmd
     proc = subprocess.run(
-        [*cmd, "-f", str(COMPOSE_FILE), "config", "--format", "json"],
+        [*cmd, *[a for f in files for a in ("-f", str(f))], "config", "--format", "json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, f"docker compose config failed:\n{proc.stderr}"
-    return json.loads(proc.stdout)
+    return dict(json.loads(proc.stdout))
+
+
+@pytest.fixture(scope="module")
+def config(compose_cmd: tuple[list[str], dict[str, str]]) -> dict[str, Any]:
+    return _resolve(compose_cmd, COMPOSE_FILE)
 
 
 def _ours(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -231,13 +239,78 @@ def test_every_setting_exists_and_parses(config: dict[str, Any]) -> None:
             assert not ours, f"{name}: {sorted(ours)} are read by no service"
             continue
         cls = SERVICES[pkg][0]
-        declared = {f.metadata["env"] for f in dataclasses.fields(cls) if "env" in f.metadata}
+        declared = {
+            f.metadata["env"]
+            for c in (cls, SecuritySettings)  # every process reads the security settings
+            for f in dataclasses.fields(c)
+            if "env" in f.metadata
+        }
         unknown = ours - declared
         assert not unknown, f"{name}: {sorted(unknown)} are not settings of {cls.__name__}"
         try:
             load_settings(cls, env=env)
+            load_settings(SecuritySettings, env=env)
         except SettingsError as exc:
             pytest.fail(f"{name}: {exc}")
+
+
+def _pki_files(config: dict[str, Any]) -> tuple[str, set[str]]:
+    """The `pki` one-shot's folder and the files its `omniflow certs` command writes."""
+    pki = config["services"]["pki"]
+    args = build_parser().parse_args(pki["command"][1:])
+    folder = str(args.dir)
+    files = {f"{folder}/ca.pem", f"{folder}/{certs_cli.TOKENS_FILE}"}
+    if args.api_key:
+        files.add(f"{folder}/{certs_cli.GATEWAY_KEYS_FILE}")
+    for text in args.identity:
+        stem = Identity(*text.split("/")).file_stem
+        files |= {f"{folder}/{stem}.pem", f"{folder}/{stem}.key"}
+    return folder, files
+
+
+def test_tls_and_auth_are_on_by_default(config: dict[str, Any]) -> None:
+    """Every service runs mutual TLS + auth with a certificate of its own identity that the
+    `pki` one-shot writes, mounted from its volume; services wait for it."""
+    folder, files = _pki_files(config)
+    pki = config["services"]["pki"]
+    volume = next(v for v in pki["volumes"] if v["target"] == folder)["source"]
+    seen: set[str] = set()
+    for name, svc in _ours(config).items():
+        pkg = _package(svc)
+        if pkg is None:
+            continue
+        env = _env(svc)
+        sec = load_settings(SecuritySettings, env=env)
+        assert sec.tls_on and sec.auth_on, f"{name}: TLS and auth must be on by default"
+        for path in (sec.tls_ca, sec.tls_cert, sec.tls_key, sec.tokens_file):
+            assert path in files, f"{name}: {path} is not written by the pki one-shot"
+        s = load_settings(SERVICES[pkg][0], env=env)
+        kind = {"kv_index": "kv-index", "kv_agent": "kv-agent"}.get(pkg, pkg)
+        stem = Identity(kind, s.node_id, s.instance_id).file_stem
+        assert sec.tls_cert == f"{folder}/{stem}.pem", f"{name}: not its own identity"
+        assert sec.tls_cert not in seen, f"{name}: a certificate shared with another service"
+        seen.add(sec.tls_cert)
+        mounts = {(v["source"], v["target"], v.get("read_only", False)) for v in svc["volumes"]}
+        assert (volume, folder, True) in mounts, f"{name}: the pki volume is not mounted ro"
+        assert svc["depends_on"]["pki"]["condition"] == "service_completed_successfully"
+        assert env["OMNIFLOW_CONSUL_CHECK"] == "ttl", f"{name}: Consul cannot probe mTLS"
+        if pkg == "gateway":
+            assert env["OMNIFLOW_GATEWAY_API_KEYS_FILE"] in files, "the gateway has no keys"
+
+
+def test_insecure_override_turns_security_off(
+    compose_cmd: tuple[list[str], dict[str, str]],
+) -> None:
+    plain = _resolve(compose_cmd, COMPOSE_FILE, INSECURE_FILE)
+    services = [n for n, s in _ours(plain).items() if _package(s)]
+    assert len(services) == 11, services
+    for name in services:
+        env = _env(plain["services"][name])
+        sec = load_settings(SecuritySettings, env=env)
+        assert not sec.tls_on and not sec.auth_on, name
+        if name != "gateway":
+            assert env["OMNIFLOW_CONSUL_CHECK"] == "grpc", name
+    assert not _env(plain["services"]["gateway"])["OMNIFLOW_GATEWAY_API_KEYS_FILE"]
 
 
 def test_services_are_wired_to_each_other(config: dict[str, Any]) -> None:

@@ -5,22 +5,29 @@
         --token acme:user --token ops:admin
 
 writes ``ca.pem``, ``<kind>.<node>.<instance>.pem/.key`` (keys 0600) and ``tokens.json``
-(0600; the servers' OMNIFLOW_TOKENS_FILE). See docs/security.md.
+(0600; the servers' OMNIFLOW_TOKENS_FILE). ``--api-key acme`` (``:admin`` for an admin key)
+also writes the gateway's key table ``gateway-keys.json`` (OMNIFLOW_GATEWAY_API_KEYS_FILE).
+``--keep`` leaves a folder that already holds a CA and tokens as it is (a one-shot that
+runs on every ``docker compose up``); ``--owner UID`` hands the files to the services' user.
+See docs/security.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from omniflow.errors import InvalidArgument
+from omniflow.security.apikeys import write_keys
 from omniflow.security.certs import IssuedCert, ensure_ca, issue
 from omniflow.security.identity import ROLES, Identity, write_tokens
 
 TOKENS_FILE = "tokens.json"
+GATEWAY_KEYS_FILE = "gateway-keys.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +103,36 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument(
         "--token", action="append", default=[], help="tenant:role[,role] (roles: admin, user)"
     )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a gateway API key for TENANT (':admin': an admin key); repeat",
+    )
+    p.add_argument(
+        "--keep", action="store_true", help="do nothing when the folder has a CA and tokens"
+    )
+    p.add_argument("--owner", type=int, help="chown the folder and its files to this uid")
+
+
+def _api_keys(folder: Path, specs: list[str]) -> dict[str, str]:
+    """``tenant`` or ``:admin`` → a fresh key each, written to ``gateway-keys.json``."""
+    keys: dict[str, str] = {}
+    entries: list[dict[str, object]] = []
+    for spec in specs:
+        tenant, _, role = spec.partition(":")
+        if role not in ("", "admin") or not (tenant or role):
+            raise InvalidArgument(f"--api-key {spec!r}: expected TENANT or :admin")
+        keys[spec] = secrets.token_urlsafe(32)
+        entries.append({"key": keys[spec], "tenant": tenant, "admin": role == "admin"})
+    write_keys(folder / GATEWAY_KEYS_FILE, entries)
+    return keys
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.keep and (args.dir / "ca.pem").is_file() and (args.dir / TOKENS_FILE).is_file():
+        print(json.dumps({"kept": str(args.dir)}))
+        return 0
     identities = []
     for text in args.identity:
         parts = text.split("/")
@@ -106,11 +140,16 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgument(f"--identity {text!r}: expected kind/node/instance")
         identities.append(Identity(*parts))
     bundle = make_bundle(args.dir, identities, args.token, tuple(args.dns))
+    api_keys = _api_keys(args.dir, args.api_key) if args.api_key else {}
+    if args.owner is not None:
+        for path in [args.dir, *args.dir.iterdir()]:
+            os.chown(path, args.owner, -1)
     out = {
         "ca": str(bundle.ca),
         "certs": {u: {"cert": str(c.cert), "key": str(c.key)} for u, c in bundle.certs.items()},
         "tokens_file": str(bundle.tokens_file) if bundle.tokens_file else None,
         "tokens": bundle.tokens,
+        "api_keys": api_keys,
     }
     print(json.dumps(out, indent=1))
     return 0
