@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from procs import ServiceProc
+from procs import ServiceProc, start_service, stop_all
 
 from omniflow.config import load_settings
 from omniflow.localredis import LocalRedisError, RedisProcess, find_redis_server, start_redis
@@ -136,37 +132,9 @@ def launch(tmp_path: Path, private_redis: RedisProcess) -> Iterator[Callable[...
     started: list[ServiceProc] = []
 
     def start(module: str, name: str, **env: str) -> ServiceProc:
-        ready = tmp_path / f"{name}.ready.json"
-        log = tmp_path / f"{name}.log"
-        full_env = {
-            **os.environ,
-            "OMNIFLOW_REDIS_URL": private_redis.url,
-            "OMNIFLOW_DISCOVERY": "redis",
-            "OMNIFLOW_PORT": "0",
-            "OMNIFLOW_METRICS_PORT": "-1",
-            "OMNIFLOW_READY_FILE": str(ready),
-            "OMNIFLOW_INSTANCE_ID": name,
-            **env,
-        }
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", module],
-                env=full_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        proc = ServiceProc(name, popen, ready, log)
+        proc = start_service(module, name, tmp=tmp_path, redis_url=private_redis.url, **env)
         started.append(proc)
         return proc
 
     yield start
-    for proc in started:
-        if proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGTERM)
-    for proc in started:
-        try:
-            proc.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            proc.popen.wait()
+    stop_all(started)

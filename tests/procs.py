@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -45,3 +48,42 @@ class ServiceProc:
         """SIGKILL: no deregistration, no goodbye."""
         self.popen.send_signal(signal.SIGKILL)
         self.popen.wait(timeout=10)
+
+
+def start_service(module: str, name: str, *, tmp: Path, redis_url: str, **env: str) -> ServiceProc:
+    """``python -m <module>`` on ``redis_url``'s discovery, port 0, no metrics port, its ready
+    file and log in ``tmp`` (named after ``name``, also its instance id); ``env`` on top."""
+    ready, log = tmp / f"{name}.ready.json", tmp / f"{name}.log"
+    full_env = {
+        **os.environ,
+        "OMNIFLOW_REDIS_URL": redis_url,
+        "OMNIFLOW_DISCOVERY": "redis",
+        "OMNIFLOW_PORT": "0",
+        "OMNIFLOW_METRICS_PORT": "-1",
+        "OMNIFLOW_READY_FILE": str(ready),
+        "OMNIFLOW_INSTANCE_ID": name,
+        **env,
+    }
+    with open(log, "wb") as out:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    return ServiceProc(name, popen, ready, log)
+
+
+def stop_all(procs: Iterable[ServiceProc], timeout_s: float = 10.0) -> None:
+    """SIGTERM every process still running, then wait for each (SIGKILL past ``timeout_s``)."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()

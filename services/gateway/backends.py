@@ -9,10 +9,8 @@ disconnects ends the worker's request (the worker aborts it and frees its pages)
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import time
-import wave
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +28,7 @@ from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
 from omniflow.values import from_python, to_python
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
+from omniflow_services.gateway.audio import wav_bytes
 from omniflow_services.gateway.config import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -98,32 +97,35 @@ class Picked:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A top-level call node of a workflow: what it calls and its static params."""
+
+    role: str
+    operation: str
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class WorkflowInfo:
     name: str
     inputs: tuple[tuple[str, int, bool], ...]  # (name, value type, optional)
     outputs: dict[str, str]  # graph output -> producing node ("" when not a node output)
+    #: graph output -> the producing node's output name ("" when not a node output)
+    sources: dict[str, str] = field(default_factory=dict)
+    output_types: dict[str, int] = field(default_factory=dict)  # graph output -> value type
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)  # top-level call nodes
 
 
 @dataclass(slots=True)
 class RunChunk:
-    """A workflow's streamed text (``node``/``output``), or its end (``outputs`` set)."""
+    """A workflow's streamed text or bytes (``node``/``output``), or its end (``outputs``)."""
 
     node: str = ""
     output: str = ""
     text: str = ""
+    data: bytes = b""
     outputs: dict[str, Any] | None = None
     error: str = ""
-
-
-def _wav(pcm: bytes, rate: int) -> bytes:
-    """Mono 16-bit PCM in a WAV container."""
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm)
-    return out.getvalue()
 
 
 def _strategy(name: str) -> int:
@@ -335,13 +337,18 @@ class Backends:
             raise error_from_rpc(exc) from None
         return reply.png
 
-    async def synthesize(self, address: str, request_id: str, text: str, voice: str) -> bytes:
-        """The talker's speech as one WAV file (its own, or one wrapped around its PCM)."""
+    async def synthesize(
+        self, address: str, request_id: str, text: str, voice: str, sample_rate: int = 0
+    ) -> bytes:
+        """The talker's speech as one WAV file (its own, or one wrapped around its PCM), at
+        ``sample_rate`` (0: the talker's default, 16 kHz)."""
         rpc = self._worker(address).Synthesize(
-            worker_pb2.SynthesizeRequest(request_id=request_id, text=text, voice=voice),
+            worker_pb2.SynthesizeRequest(
+                request_id=request_id, text=text, voice=voice, sample_rate=sample_rate
+            ),
             timeout=self.settings.request_timeout_s,
         )
-        wav, pcm, rate = b"", bytearray(), 16000
+        wav, pcm, rate = b"", bytearray(), sample_rate or 16000
         try:
             async for chunk in rpc:
                 pcm += chunk.pcm_s16le
@@ -352,7 +359,7 @@ class Backends:
             raise error_from_rpc(exc) from None
         finally:
             rpc.cancel()
-        return wav or _wav(bytes(pcm), rate)
+        return wav or wav_bytes(bytes(pcm), rate)
 
     # ------------------------------------------------------------ coordinator
 
@@ -375,15 +382,25 @@ class Backends:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
         g = reply.graph
-        outputs = {
-            k: (s.node_output.node if s.WhichOneof("kind") == "node_output" else "")
-            for k, s in g.outputs.items()
+        produced = {k: s.node_output for k, s in g.outputs.items() if s.HasField("node_output")}
+        nodes = {
+            n.name: NodeInfo(
+                n.call.role, n.call.operation, {k: to_python(v) for k, v in n.params.items()}
+            )
+            for n in g.nodes
+            if n.WhichOneof("kind") == "call"
         }
-        inputs = tuple((p.name, int(p.type), p.optional) for p in g.inputs)
-        return WorkflowInfo(g.name, inputs, outputs)
+        return WorkflowInfo(
+            g.name,
+            tuple((p.name, int(p.type), p.optional) for p in g.inputs),
+            {k: produced[k].node if k in produced else "" for k in g.outputs},
+            {k: produced[k].output if k in produced else "" for k in g.outputs},
+            {p.name: int(p.type) for p in g.output_ports},
+            nodes,
+        )
 
     async def run_workflow(self, name: str, inputs: dict[str, Any]) -> AsyncIterator[RunChunk]:
-        """Run a workflow; yields its text chunks as they stream, then its outputs."""
+        """Run a workflow; yields its text and bytes chunks as they stream, then its outputs."""
         stub = await self.coordinator()
         req = coordinator_pb2.SubmitRunRequest(
             workflow=name,
@@ -394,9 +411,13 @@ class Backends:
         try:
             async for ev in rpc:
                 kind = ev.WhichOneof("event")
-                if kind == "node_output" and ev.node_output.chunk.WhichOneof("kind") == "text":
+                if kind == "node_output":
                     o = ev.node_output
-                    yield RunChunk(node=o.node, output=o.output, text=o.chunk.text)
+                    which = o.chunk.WhichOneof("kind")
+                    if which == "text":
+                        yield RunChunk(node=o.node, output=o.output, text=o.chunk.text)
+                    elif which == "bytes_value":  # a talker's PCM, as it speaks
+                        yield RunChunk(node=o.node, output=o.output, data=o.chunk.bytes_value)
                 elif kind == "run_finished":
                     f = ev.run_finished
                     outs = {k: to_python(v) for k, v in f.outputs.items()}

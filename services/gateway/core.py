@@ -9,8 +9,6 @@ folder (``smollm2-135m-instruct``); workflows as ``workflow:<name>``.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import secrets
 import time
@@ -23,6 +21,7 @@ from typing import Any, TypeVar
 from omniflow.chat import Preprocessor, acached_preprocessor
 from omniflow.errors import InvalidArgument, NotFound, OmniflowError, Unavailable
 from omniflow.workers import WorkerRecord
+from omniflow_services.gateway.audio import talker_voice
 from omniflow_services.gateway.backends import (
     Backends,
     GenChunk,
@@ -31,8 +30,10 @@ from omniflow_services.gateway.backends import (
     Picked,
     RunChunk,
     Sampling,
+    WorkflowInfo,
 )
 from omniflow_services.gateway.config import GatewaySettings
+from omniflow_services.gateway.workflows import data_url
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,6 @@ DEFAULT_PAGE_SIZE = 16
 INLINE_CHARS = 1024  # prompts up to this many characters are tokenized on the loop
 T = TypeVar("T")
 SERVED_ROLES = ("llm", "diffusion", "talker")
-# Preferred graph outputs for a workflow's answer, in order (else its last output).
-ANSWER_OUTPUTS = ("answer", "text", "output", "response")
 
 
 def new_id(prefix: str) -> str:
@@ -342,65 +341,36 @@ class GatewayCore:
         self._report(picked, started, True)
         return png
 
-    async def speech(self, model: str, text: str, voice: str) -> bytes:
+    async def speech(self, model: str, text: str, voice: str, sample_rate: int = 0) -> bytes:
+        """``text`` spoken by a talker of ``model``: one WAV file at ``sample_rate`` (0: the
+        talker's default). OpenAI's voice names ask for the talker's own voice."""
         workers = await self.workers_for(model, "talker")
         exclude = await self._exclude("talker", workers)
         picked = await _served(model, self.backends.pick("talker", "synthesize", exclude=exclude))
         started = time.perf_counter()
         try:
-            wav = await self.backends.synthesize(picked.address, new_id("tts"), text, voice)
+            wav = await self.backends.synthesize(
+                picked.address, new_id("tts"), text, talker_voice(voice), sample_rate
+            )
         except OmniflowError as exc:
             self._report(picked, started, False, exc.code_name)
             raise
         self._report(picked, started, True)
         return wav
 
-    async def workflow(
-        self, name: str, messages: Sequence[dict[str, Any]]
-    ) -> tuple[str, AsyncIterator[RunChunk]]:
-        """Run workflow ``name`` on a chat: (the answer's output name, its event stream).
-
-        Inputs: the graph's first required text input gets the last user message's text;
-        an input named ``messages`` gets every message as {role, content}. The answer is
-        the graph output named answer / text / output / response, else its last output.
-        """
+    async def workflow_info(self, name: str) -> WorkflowInfo:
+        """The registered graph of workflow ``name`` (its ports, outputs and call nodes)."""
         try:
-            info = await self.backends.workflow(name)
+            return await self.backends.workflow(name)
         except NotFound:
             raise NotFound(
                 f"model {WORKFLOW_PREFIX + name!r} is not a registered workflow "
                 "(GET /v1/models lists them)"
             ) from None
-        last_user = next((m for m in reversed(messages) if m["role"] == "user"), None)
-        if last_user is None:
-            raise InvalidArgument("messages has no user message: a workflow's input is one")
-        text = _text_of(last_user["content"])
-        inputs: dict[str, Any] = {}
-        given_text = False
-        for port, vtype, optional in info.inputs:
-            if port == "messages":
-                inputs[port] = [
-                    {"role": m["role"], "content": _text_of(m["content"])} for m in messages
-                ]
-            elif not given_text and vtype in (0, 1) and not optional:  # ANY or TEXT
-                inputs[port], given_text = text, True
-            elif not optional:
-                raise InvalidArgument(
-                    f"workflow {name!r} needs input {port!r}, which a chat request cannot "
-                    "give; run it through the coordinator's API instead"
-                )
-        if not info.outputs:
-            raise InvalidArgument(f"workflow {name!r} has no outputs to answer with")
-        answer = next((o for o in ANSWER_OUTPUTS if o in info.outputs), list(info.outputs)[-1])
-        return answer, self._workflow_stream(name, inputs, info.outputs[answer])
 
-    async def _workflow_stream(
-        self, name: str, inputs: dict[str, Any], node: str
-    ) -> AsyncIterator[RunChunk]:
-        async with aclosing(self.backends.run_workflow(name, inputs)) as stream:
-            async for chunk in stream:
-                if chunk.outputs is not None or (chunk.node == node and chunk.output == "text"):
-                    yield chunk
+    def run_workflow(self, name: str, inputs: dict[str, Any]) -> AsyncIterator[RunChunk]:
+        """One run through the coordinator: its streamed chunks, then its outputs."""
+        return self.backends.run_workflow(name, inputs)
 
 
 async def _served(model: str, pick: Awaitable[Picked]) -> Picked:
@@ -433,32 +403,19 @@ def _text_ids(pre: Preprocessor, text: str) -> tuple[list[int], list[bytes]]:
     return ids, pre.block_hashes(ids)
 
 
-def _text_of(content: str | list[dict[str, Any]]) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
-
-
 def _media_parts(content: str | list[dict[str, Any]], i: int) -> list[str | MediaPart]:
     if isinstance(content, str):
         return [content]
     out: list[str | MediaPart] = []
     for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
         if part["type"] == "text":
             out.append(part["text"])
-            continue
-        url = part["image_url"]["url"]
-        where = f"messages[{i}].content[{j}].image_url.url"
-        head, sep, data = url.partition(",")
-        if not (url.startswith("data:") and sep and head.endswith(";base64")):
+        elif part["type"] == "input_audio":
             raise InvalidArgument(
-                f"{where}: only data URLs are accepted (data:image/png;base64,...); this "
-                "server does not fetch remote images"
+                f"{where}: input_audio is heard by workflow models (such as "
+                f"{WORKFLOW_PREFIX}omni_chat, GET /v1/models lists them), not by an llm model"
             )
-        mime = head.removeprefix("data:").removesuffix(";base64")
-        try:
-            raw = base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidArgument(f"{where}: the data URL is not valid base64") from None
-        out.append(MediaPart(raw, mime or "image/png"))
+        else:
+            out.append(data_url(part["image_url"]["url"], f"{where}.image_url.url"))
     return out

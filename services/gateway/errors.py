@@ -55,22 +55,29 @@ def from_domain(exc: errors.OmniflowError) -> APIError:
     return APIError(500, f"internal error: {exc}", "server_error", None, "internal")
 
 
+_TAGS = ("image_url", "input_audio", "text")  # content part types named like their field
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
-    out = ""
+    out, prev = "", None
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
         elif part in ("str", "list", "function-after", "int") or "[" in str(part):
             continue  # pydantic's union-member labels: not a field of the request
+        elif part == prev and part in _TAGS:
+            continue  # a tagged union's tag ("image_url"), then its field of the same name
         else:
             out += f".{part}" if out else str(part)
+        prev = part
     return out
 
 
 def from_validation(exc: ValidationError) -> APIError:
     """A 400 naming the first bad field (``messages[0].role``) and what is accepted."""
     errs = exc.errors(include_url=False)
-    first = errs[0]
+    # The deepest error: of a union (content: a string or parts), the member that got furthest.
+    first = max(errs, key=lambda e: len(e.get("loc", ())))
     param = _loc(tuple(first.get("loc", ()))) or None
     if first.get("type") == "extra_forbidden":
         message = f"{param} is not supported by this server"

@@ -42,3 +42,14 @@ CACHED_TOKENS = Counter(
 COMPLETION_TOKENS = Counter(
     "omniflow_gateway_completion_tokens_total", "Generated tokens of answered requests", ["route"]
 )
+FIRST_AUDIO = Histogram(
+    "omniflow_gateway_time_to_first_audio_seconds",
+    "From request arrival to the first audio chunk sent (streamed spoken answers)",
+    ["route"],
+    buckets=_LATENCY,
+)
+AUDIO_SECONDS = Counter(
+    "omniflow_gateway_audio_output_seconds_total",
+    "Seconds of speech sent in answers (chat audio output and audio/speech)",
+    ["route"],
+)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -18,18 +18,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from omniflow.errors import OmniflowError
-from omniflow_services.gateway import metrics
+from omniflow_services.gateway import audio, metrics
 from omniflow_services.gateway.backends import GenChunk, Sampling
 from omniflow_services.gateway.config import GatewaySettings
 from omniflow_services.gateway.core import WORKFLOW_PREFIX, GatewayCore, Prepared
-from omniflow_services.gateway.errors import APIError, bad_request, from_domain, from_validation
+from omniflow_services.gateway.errors import APIError, bad_request, from_validation
 from omniflow_services.gateway.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatMessage,
     ChoiceLogprobs,
     ChunkChoice,
     Completion,
@@ -42,42 +42,24 @@ from omniflow_services.gateway.protocol import (
     ImagesResponse,
     ModelCard,
     ModelList,
-    PromptTokensDetails,
     SpeechRequest,
     TokenLogprob,
     TopLogprob,
     Usage,
-    error_body,
 )
+from omniflow_services.gateway.replies import (
+    DONE,
+    param_model,
+    sse,
+    streaming,
+    usage,
+    whole,
+)
+from omniflow_services.gateway.workflow_api import WorkflowAPI
 
 M = TypeVar("M", bound=BaseModel)
-T = TypeVar("T")
 
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 MAX_IMAGE_SIDE = 2048
-
-
-def _sse(obj: BaseModel | dict[str, Any]) -> bytes:
-    body = obj.model_dump_json() if isinstance(obj, BaseModel) else _json(obj)
-    return b"data: " + body.encode() + b"\n\n"
-
-
-def _json(obj: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(obj, separators=(",", ":"))
-
-
-DONE = b"data: [DONE]\n\n"
-
-
-def _usage(prompt: int, cached: int, completion: int) -> Usage:
-    return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-    )
 
 
 class Tally:
@@ -111,7 +93,7 @@ class Tally:
         metrics.CACHED_TOKENS.labels(m).inc(self.cached)
         metrics.COMPLETION_TOKENS.labels(m).inc(self.completion)
         metrics.E2E.labels(m).observe(time.perf_counter() - self.arrived)
-        return _usage(self.prompt, self.cached, self.completion)
+        return usage(self.prompt, self.cached, self.completion)
 
 
 def _sampling(
@@ -145,6 +127,7 @@ class OpenAIRoutes:
     def __init__(self, settings: GatewaySettings, core: GatewayCore) -> None:
         self.settings = settings
         self.core = core
+        self.workflows = WorkflowAPI(core, settings.max_n)
 
     # ------------------------------------------------------------ helpers
 
@@ -157,31 +140,14 @@ class OpenAIRoutes:
                 raise bad_request("the request body is not valid JSON") from None
             raise from_validation(exc) from None
 
-    async def _whole(self, request: Request, work: Awaitable[T]) -> T | None:
-        """Run ``work`` unless the client disconnects first (then cancel it: None)."""
-        task = asyncio.ensure_future(work)
-        watch = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return None
-        return task.result()
-
     async def _stream(
-        self, events: AsyncIterator[bytes], preps: list[Prepared] | None = None, n: int = 1
+        self, events: AsyncIterator[bytes], preps: list[Prepared], n: int = 1
     ) -> StreamingResponse:
-        """SSE of ``events``; the workers of ``preps`` are picked before the 200 is sent."""
-        for prep in preps or ():
-            await _param_model(self.core.prepick(prep, n))
-        return StreamingResponse(
-            _guarded(events, lambda: self.core.release(preps or [])),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+        """SSE of ``events``; the workers of ``preps`` are picked before the 200 is sent
+        (picks no stream used are released at the end)."""
+        for prep in preps:
+            await param_model(self.core.prepick(prep, n))
+        return streaming(events, lambda: self.core.release(preps))
 
     # ------------------------------------------------------------ models
 
@@ -205,30 +171,36 @@ class OpenAIRoutes:
         req = await self._parse(request, ChatCompletionRequest)
         arrived = request.state.arrived
         rid = "chatcmpl-" + request.state.request_id.removeprefix("req-")
-        messages = [
-            {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": m.content
-                if isinstance(m.content, str)
-                else [p.model_dump(exclude_none=True) for p in m.content],
-            }
-            for m in req.messages
-        ]
+        messages = [_message(m) for m in req.messages]
         if req.model.startswith(WORKFLOW_PREFIX):
-            return await self._workflow_chat(request, req, rid, messages)
+            return await self.workflows.chat(request, req, rid, messages)
+        if (req.modalities and "audio" in req.modalities) or req.audio is not None:
+            raise bad_request(
+                f"audio output is spoken by workflow models with a talker (such as "
+                f"{WORKFLOW_PREFIX}omni_chat, GET /v1/models lists them); {req.model!r} answers "
+                "text only",
+                "modalities",
+            )
+        for i, m in enumerate(messages):
+            if m["content"] is None:
+                raise bad_request(
+                    f"messages[{i}].content is missing: an llm model reads text (an assistant "
+                    "audio reference is for workflow models)",
+                    f"messages[{i}].content",
+                )
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = req.max_completion_tokens or req.max_tokens
         sampling = _sampling(
             req, max_tokens, req.logprobs, req.top_logprobs or 0, self.settings.max_n
         )
-        prep = await _param_model(self.core.prepare_chat(req.model, messages, sampling))
+        prep = await param_model(self.core.prepare_chat(req.model, messages, sampling))
         created = int(time.time())
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._chat_events(prep, req, rid, created, arrived, usage)
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = self._chat_events(prep, req, rid, created, arrived, include_usage)
             return await self._stream(events, [prep], req.n)
-        result = await self._whole(request, self._chat_whole(prep, req, rid, created, arrived))
+        result = await whole(request, self._chat_whole(prep, req, rid, created, arrived))
         if result is None:
             return Response(status_code=499)
         return JSONResponse(result.model_dump())
@@ -271,7 +243,7 @@ class OpenAIRoutes:
         tally = Tally("chat", arrived)
 
         def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
-            return _sse(
+            return sse(
                 ChatCompletionChunk(
                     id=rid, created=created, model=req.model, choices=choices, usage=usage
                 )
@@ -294,82 +266,6 @@ class OpenAIRoutes:
             yield chunk([], usage)
         yield DONE
 
-    async def _workflow_chat(
-        self, request: Request, req: ChatCompletionRequest, rid: str, messages: list[dict[str, Any]]
-    ) -> Response:
-        name = req.model.removeprefix(WORKFLOW_PREFIX)
-        for field in (
-            "max_tokens",
-            "max_completion_tokens",
-            "temperature",
-            "top_p",
-            "seed",
-            "stop",
-        ):
-            if getattr(req, field) is not None:
-                raise bad_request(
-                    f"{field} does not apply to a workflow model: its nodes set their own "
-                    "parameters",
-                    field,
-                )
-        if req.n != 1 or req.logprobs or req.presence_penalty or req.frequency_penalty:
-            raise bad_request("n, logprobs and penalties do not apply to a workflow model", "n")
-        answer, stream = await _param_model(self.core.workflow(name, messages))
-        created = int(time.time())
-        arrived = request.state.arrived
-
-        def chunk(delta: Delta, finish: str | None = None) -> bytes:
-            choice = ChunkChoice(index=0, delta=delta, finish_reason=finish)
-            return _sse(
-                ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[choice])
-            )
-
-        async def events() -> AsyncIterator[bytes]:
-            yield chunk(Delta(role="assistant", content=""))
-            streamed = False
-            async with aclosing(stream) as runs:
-                async for c in runs:
-                    if c.outputs is None:
-                        streamed = True
-                        yield chunk(Delta(content=c.text))
-                        continue
-                    if c.error:
-                        raise APIError(500, f"workflow {name!r} failed: {c.error}", "server_error")
-                    if not streamed:
-                        yield chunk(Delta(content=_answer(c.outputs, answer)))
-            metrics.E2E.labels("chat").observe(time.perf_counter() - arrived)
-            yield chunk(Delta(), "stop")
-            if req.stream_options and req.stream_options.include_usage:
-                yield _sse(
-                    ChatCompletionChunk(
-                        id=rid, created=created, model=req.model, choices=[], usage=_usage(0, 0, 0)
-                    )
-                )
-            yield DONE
-
-        if req.stream:
-            return await self._stream(events())
-
-        async def whole() -> ChatCompletion:
-            parts: list[str] = []
-            async with aclosing(stream) as runs:
-                async for c in runs:
-                    if c.outputs is None:
-                        continue
-                    if c.error:
-                        raise APIError(500, f"workflow {name!r} failed: {c.error}", "server_error")
-                    parts.append(_answer(c.outputs, answer))
-            metrics.E2E.labels("chat").observe(time.perf_counter() - arrived)
-            choice = ChatChoice(
-                index=0, message=AssistantMessage(content="".join(parts)), finish_reason="stop"
-            )
-            return ChatCompletion(
-                id=rid, created=created, model=req.model, choices=[choice], usage=_usage(0, 0, 0)
-            )
-
-        result = await self._whole(request, whole())
-        return Response(status_code=499) if result is None else JSONResponse(result.model_dump())
-
     # ------------------------------------------------------------ completions
 
     async def completions(self, request: Request) -> Response:
@@ -388,7 +284,7 @@ class OpenAIRoutes:
                 "prompt",
             )
         preps = [
-            await _param_model(self.core.prepare_prompt(req.model, p, sampling)) for p in prompts
+            await param_model(self.core.prepare_prompt(req.model, p, sampling)) for p in prompts
         ]
         created = int(time.time())
         count = len(prompts) * req.n
@@ -415,15 +311,15 @@ class OpenAIRoutes:
                                 logprobs=lp,
                                 finish_reason=c.finish_reason or None,
                             )
-                            yield _sse(obj([choice]))
+                            yield sse(obj([choice]))
                 usage = tally.done(len(prompts))
                 if include_usage:
-                    yield _sse(obj([], usage))
+                    yield sse(obj([], usage))
                 yield DONE
 
             return await self._stream(events(), preps, req.n)
 
-        async def whole() -> Completion:
+        async def collect() -> Completion:
             tally = Tally("completions", arrived)
             chunks: dict[int, list[GenChunk]] = {i: [] for i in range(count)}
             async with aclosing(self.core.merged(preps, req.n)) as stream:
@@ -444,7 +340,7 @@ class OpenAIRoutes:
             ]
             return obj(choices, usage)
 
-        result = await self._whole(request, whole())
+        result = await whole(request, collect())
         return Response(status_code=499) if result is None else JSONResponse(result.model_dump())
 
     # ------------------------------------------------------------ images and speech
@@ -454,14 +350,17 @@ class OpenAIRoutes:
         width, height = _size(req.size)
         if req.n > self.settings.max_n:
             raise bad_request(f"n={req.n} is above this server's limit {self.settings.max_n}", "n")
+        if req.model.startswith(WORKFLOW_PREFIX):  # size unset: the workflow's own
+            size = (width, height) if "size" in req.model_fields_set else None
+            return await self.workflows.images(request, req, size)
 
         async def one(i: int) -> str:
             seed = None if req.seed is None else (req.seed + i) % 2**63
             png = await self.core.image(req.model, req.prompt, width, height, seed)
             return base64.b64encode(png).decode()
 
-        work = asyncio.gather(*(_param_model(one(i)) for i in range(req.n)))
-        images = await self._whole(request, work)
+        work = asyncio.gather(*(param_model(one(i)) for i in range(req.n)))
+        images = await whole(request, work)
         if images is None:
             return Response(status_code=499)
         body = ImagesResponse(
@@ -471,47 +370,37 @@ class OpenAIRoutes:
 
     async def speech(self, request: Request) -> Response:
         req = await self._parse(request, SpeechRequest)
-        wav = await self._whole(
-            request, _param_model(self.core.speech(req.model, req.input, req.voice))
+        pcm = req.response_format == "pcm"  # OpenAI's pcm: raw 16-bit mono at 24 kHz
+        rate = audio.PCM16_RATE if pcm else 0
+        wav = await whole(
+            request, param_model(self.core.speech(req.model, req.input, req.voice, rate))
         )
         if wav is None:
             return Response(status_code=499)
-        return Response(wav, media_type="audio/wav")
+        body = audio.encode(wav, rate, "pcm16") if pcm else wav
+        metrics.AUDIO_SECONDS.labels("speech").inc(_audio_seconds(body, pcm))
+        return Response(body, media_type="audio/pcm" if pcm else "audio/wav")
 
 
-async def _param_model(work: Awaitable[T]) -> T:
-    """``work``, with an unknown model's NotFound naming the ``model`` param."""
-    try:
-        return await work
-    except OmniflowError as exc:
-        err = from_domain(exc)
-        if err.status == 404:
-            err.param = "model"
-        raise err from None
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A request message as the core reads it: role (developer is system), content (a
+    string, parts as dicts, or None) and an assistant's audio reference."""
+    out: dict[str, Any] = {
+        "role": "system" if m.role == "developer" else m.role,
+        "content": m.content
+        if m.content is None or isinstance(m.content, str)
+        else [p.model_dump(exclude_none=True) for p in m.content],
+    }
+    if m.audio is not None:
+        out["audio"] = {"id": m.audio.id}
+    return out
 
 
-async def _guarded(
-    events: AsyncIterator[bytes], release: Callable[[], None]
-) -> AsyncIterator[bytes]:
-    """SSE with errors after the first byte sent as an error event (the status is sent);
-    picks made ahead that no stream used are released at the end, whatever happened."""
-    try:
-        async with aclosing(events) as stream:
-            async for data in stream:
-                yield data
-    except (APIError, OmniflowError) as exc:
-        err = exc if isinstance(exc, APIError) else from_domain(exc)
-        yield _sse(error_body(err.message, err.type, err.param, err.code))
-        yield DONE
-    finally:
-        release()
-
-
-async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+def _audio_seconds(body: bytes, pcm: bool) -> float:
+    if pcm:
+        return len(body) / 2 / audio.PCM16_RATE
+    samples, rate = audio.pcm_of(body, audio.TALKER_DEFAULT_RATE)
+    return len(samples) / 2 / rate
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -540,11 +429,6 @@ def _size(size: str) -> tuple[int, int]:
             f"size {size!r} is not accepted: give 'WxH' with sides 1..{MAX_IMAGE_SIDE}", "size"
         )
     return int(w), int(h)
-
-
-def _answer(outputs: dict[str, Any], name: str) -> str:
-    value = outputs.get(name, "")
-    return value if isinstance(value, str) else str(value)
 
 
 def _token_text(prep: Prepared, token_id: int) -> str:

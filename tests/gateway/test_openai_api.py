@@ -284,14 +284,14 @@ def test_image_in_chat_reuses_its_kv_on_a_second_turn(client: openai.OpenAI, top
     )
 
 
-def test_images_generations(client: openai.OpenAI) -> None:
+def test_images_generations(client: openai.OpenAI, topology: Any) -> None:
     import base64
     import io
 
     from PIL import Image
 
     reply = client.images.generate(
-        model="tiny-diffusion", prompt="a red square", size="32x32", n=2, extra_body={"seed": 3}
+        model=topology.diffusion, prompt="a red square", size="32x32", n=2, extra_body={"seed": 3}
     )
     assert len(reply.data) == 2
     for item in reply.data:
@@ -301,12 +301,12 @@ def test_images_generations(client: openai.OpenAI) -> None:
         client.images.generate(model="smollm2-135m-instruct", prompt="x")
 
 
-def test_audio_speech_is_wav(client: openai.OpenAI) -> None:
+def test_audio_speech_is_wav(client: openai.OpenAI, topology: Any) -> None:
     import io
     import wave
 
     reply = client.audio.speech.create(
-        model="tiny-talker", input="Hello from the gateway.", voice="", response_format="wav"
+        model=topology.talker, input="Hello from the gateway.", voice="", response_format="wav"
     )
     with wave.open(io.BytesIO(reply.read())) as w:
         assert w.getnchannels() == 1 and w.getsampwidth() == 2

@@ -1,0 +1,327 @@
+"""Workflows served as OpenAI models (``workflow:<name>``), free of HTTP: a chat turn or an
+image prompt becomes the workflow's inputs, its outputs become the answer's text, audio and
+image.
+
+What a chat gives, by input name (any other required input is a 400 that names it):
+
+- the text input (``text``, ``question``, ``prompt``, ``input`` or ``query``; else the first
+  required text input): the last user message's text;
+- ``audio``: the last user message's ``input_audio`` part (the file's bytes; a media item
+  for a MEDIA input);
+- ``image``: the latest ``image_url`` data URL of any user message (the conversation's
+  image, sent again each turn so that its pages are reused);
+- ``messages``: the conversation before the last user message, ``[{role, content}]`` as
+  text; an earlier spoken turn stands as what was heard, an assistant ``audio: {id}`` as its
+  transcript (both remembered by :class:`Recall`);
+- ``system``: the system messages' text (then left out of ``messages``).
+
+What the answer takes, by output name: the text (``answer``, ``text``, ``output``,
+``response``, else the last output), the audio (``audio``, ``speech``, ``wav``, ``pcm``, or
+an output of a talker node), what was heard (``transcript``) and the token counts
+(``prompt_tokens``, ``cached_tokens``, ``completion_tokens``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omniflow.api.common.v1 import common_pb2
+from omniflow.errors import InvalidArgument, OmniflowError
+from omniflow.values import VType
+from omniflow_services.gateway.audio import TALKER_DEFAULT_RATE
+from omniflow_services.gateway.backends import MediaPart, WorkflowInfo
+
+ANSWER_OUTPUTS = ("answer", "text", "output", "response")
+AUDIO_OUTPUTS = ("audio", "speech", "wav", "pcm")
+IMAGE_OUTPUTS = ("image", "png")
+REVISED_PROMPT_OUTPUTS = ("revised_prompt", "prompt_used", "final_prompt")
+TEXT_INPUTS = ("text", "question", "prompt", "input", "query")
+HEARD_OUTPUT = "transcript"
+AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg"}
+_TEXTUAL = (VType.ANY, VType.TEXT)
+_BINARY = (VType.ANY, VType.BYTES, VType.MEDIA)
+
+
+class Recall:
+    """Text that stands for audio in later turns: what the gateway answered (by audio id)
+    and what a workflow heard (by the audio's hash). Bounded; entries expire."""
+
+    def __init__(self, ttl_s: float, max_entries: int = 4096) -> None:
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        self._items: OrderedDict[str, tuple[float, str]] = OrderedDict()
+
+    def put(self, key: str, text: str) -> None:
+        self._items[key] = (time.monotonic() + self.ttl_s, text)
+        self._items.move_to_end(key)
+        while len(self._items) > self.max_entries:
+            self._items.popitem(last=False)
+
+    def get(self, key: str) -> str | None:
+        item = self._items.get(key)
+        if item is None or item[0] < time.monotonic():
+            self._items.pop(key, None)
+            return None
+        return item[1]
+
+
+def heard_key(audio: bytes) -> str:
+    return "heard:" + hashlib.blake2b(audio, digest_size=16).hexdigest()
+
+
+@dataclass(slots=True)
+class ChatTurn:
+    """A chat as a workflow sees it: the new user turn and what came before."""
+
+    text: str = ""
+    audio: MediaPart | None = None
+    image: MediaPart | None = None
+    history: list[dict[str, str]] = field(default_factory=list)
+    system: list[str] = field(default_factory=list)
+
+
+def data_url(url: str, where: str) -> MediaPart:
+    """The bytes of a ``data:<mime>;base64,...`` URL (remote URLs are not fetched)."""
+    head, sep, data = url.partition(",")
+    if not (url.startswith("data:") and sep and head.endswith(";base64")):
+        raise InvalidArgument(
+            f"{where}: only data URLs are accepted (data:image/png;base64,...); this "
+            "server does not fetch remote images"
+        )
+    mime = head.removeprefix("data:").removesuffix(";base64")
+    return MediaPart(_b64(data, where, "the data URL"), mime or "image/png")
+
+
+def input_audio(part: dict[str, Any], where: str) -> MediaPart:
+    """An ``input_audio`` content part's file bytes."""
+    audio = part["input_audio"]
+    raw = _b64(audio["data"], f"{where}.input_audio.data", "input_audio.data")
+    if not raw:
+        raise InvalidArgument(f"{where}.input_audio.data is empty: send the audio file, base64")
+    return MediaPart(raw, AUDIO_MIME.get(audio["format"], "audio/wav"))
+
+
+def _b64(data: str, where: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument(f"{where}: {what} is not valid base64") from None
+
+
+def chat_turn(messages: Sequence[dict[str, Any]], recall: Recall) -> ChatTurn:
+    """The new user turn (the last user message) and the conversation before it."""
+    last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), -1)
+    if last < 0:
+        raise InvalidArgument("messages has no user message: a workflow's input is one")
+    if last != len(messages) - 1:
+        raise InvalidArgument(
+            f"messages[{last + 1}] follows the last user message: a workflow answers the last "
+            "user turn, so send the conversation up to it"
+        )
+    turn = ChatTurn()
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        texts: list[str] = []
+        audio: MediaPart | None = None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            where = f"messages[{i}].content[{j}]"
+            if part["type"] == "text":
+                texts.append(part["text"])
+            elif part["type"] == "input_audio":
+                audio = input_audio(part, where)
+            elif part["type"] == "image_url":
+                turn.image = data_url(part["image_url"]["url"], f"{where}.image_url.url")
+        text = content if isinstance(content, str) else "".join(texts)
+        if i == last:
+            turn.text, turn.audio = text, audio
+        elif m["role"] == "system":
+            turn.system.append(text)
+            turn.history.append({"role": "system", "content": text})
+        else:
+            turn.history.append({"role": m["role"], "content": _said(m, i, text, audio, recall)})
+    return turn
+
+
+def _said(m: dict[str, Any], i: int, text: str, audio: MediaPart | None, recall: Recall) -> str:
+    """A past message as text: its own, else the transcript of its audio."""
+    if text:
+        return text
+    ref = m.get("audio")
+    if ref is not None:
+        said = recall.get(f"audio:{ref['id']}")
+        if said is None:
+            raise InvalidArgument(
+                f"messages[{i}].audio.id {ref['id']!r} is unknown or expired: send the "
+                "assistant's transcript as its content instead"
+            )
+        return said
+    if audio is not None:
+        return recall.get(heard_key(audio.data)) or ""
+    return ""
+
+
+def _media_value(part: MediaPart, vtype: int, kind: int) -> Any:
+    if vtype == VType.MEDIA:
+        return common_pb2.MediaItem(kind=kind, data=part.data, mime_type=part.mime_type)  # type: ignore[arg-type]
+    return part.data
+
+
+def text_input(info: WorkflowInfo) -> str | None:
+    """The input a prompt's text goes to."""
+    for port, vtype, _ in info.inputs:
+        if port in TEXT_INPUTS and vtype in _TEXTUAL:
+            return port
+    special = ("messages", "system", "audio", "image")
+    return next(
+        (p for p, t, opt in info.inputs if t in _TEXTUAL and not opt and p not in special), None
+    )
+
+
+def chat_inputs(info: WorkflowInfo, turn: ChatTurn) -> dict[str, Any]:
+    """The inputs of one run of ``info`` for a chat turn."""
+    name = info.name
+    text_port = text_input(info)
+    ports = {p for p, _, _ in info.inputs}
+    media = {
+        "audio": (
+            turn.audio,
+            common_pb2.MediaItem.KIND_AUDIO,
+            "an input_audio content part in the last user message",
+        ),
+        "image": (turn.image, common_pb2.MediaItem.KIND_IMAGE, "an image_url part (a data URL)"),
+    }
+    inputs: dict[str, Any] = {}
+    for port, vtype, optional in info.inputs:
+        if port == "messages":
+            history = turn.history
+            if "system" in ports:
+                history = [m for m in history if m["role"] != "system"]
+            if history or not optional:
+                inputs[port] = history
+        elif port == "system" and vtype in _TEXTUAL:
+            if turn.system or not optional:
+                inputs[port] = "\n".join(turn.system)
+        elif port in media and vtype in _BINARY:
+            part, kind, how = media[port]
+            if part is not None:
+                inputs[port] = _media_value(part, vtype, kind)
+            elif not optional:
+                raise InvalidArgument(f"workflow {name!r} needs input {port!r}: send {how}")
+        elif port == text_port:
+            if turn.text:
+                inputs[port] = turn.text
+            elif not optional:
+                raise InvalidArgument(
+                    f"the last user message has no text, and workflow {name!r} needs its "
+                    f"text input {port!r}"
+                )
+        elif not optional:
+            raise InvalidArgument(
+                f"workflow {name!r} needs input {port!r}, which a chat request cannot give; "
+                "run it through the coordinator's API instead"
+            )
+    return inputs
+
+
+def answer_output(info: WorkflowInfo) -> str:
+    if not info.outputs:
+        raise InvalidArgument(f"workflow {info.name!r} has no outputs to answer with")
+    return next((o for o in ANSWER_OUTPUTS if o in info.outputs), list(info.outputs)[-1])
+
+
+def audio_output(info: WorkflowInfo) -> str | None:
+    """The output that holds the spoken answer, if the workflow has one."""
+    for name in AUDIO_OUTPUTS:
+        if name in info.outputs and info.output_types.get(name, 0) in _BINARY:
+            return name
+    for name, node in info.outputs.items():
+        call = info.nodes.get(node)
+        if call is not None and call.role == "talker" and info.sources.get(name) in AUDIO_OUTPUTS:
+            return name
+    return None
+
+
+def audio_rate(info: WorkflowInfo, output: str) -> int:
+    """The rate of the PCM a talker node streams: its ``sample_rate`` param, else the
+    talker default (16 kHz)."""
+    call = info.nodes.get(info.outputs.get(output, ""))
+    rate = call.params.get("sample_rate", 0) if call is not None else 0
+    return int(rate) if isinstance(rate, int) and rate > 0 else TALKER_DEFAULT_RATE
+
+
+def usage_of(outputs: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt, cached, completion) tokens of a run, from outputs of those names (0 if absent)."""
+    got = [outputs.get(k, 0) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")]
+    p, c, n = (v if isinstance(v, int) and not isinstance(v, bool) else 0 for v in got)
+    return p, c, n
+
+
+def image_inputs(
+    info: WorkflowInfo, prompt: str, size: tuple[int, int] | None, seed: int | None
+) -> dict[str, Any]:
+    """The inputs of one run of an image workflow: the prompt, ``size`` as ``width`` and
+    ``height`` and ``seed`` (when the workflow takes them)."""
+    types = {p: t for p, t, _ in info.inputs}
+    port = "prompt" if types.get("prompt") in _TEXTUAL else text_input(info)
+    if port is None:
+        raise InvalidArgument(f"workflow {info.name!r} has no text input for the prompt")
+    inputs: dict[str, Any] = {port: prompt}
+    if size is not None:
+        if not all(types.get(k) in (VType.ANY, VType.INT) for k in ("width", "height")):
+            raise InvalidArgument(
+                f"size: workflow {info.name!r} sets its own image size (it has no width and "
+                "height inputs); leave size unset"
+            )
+        inputs["width"], inputs["height"] = size
+    if seed is not None:
+        if types.get("seed") not in (VType.ANY, VType.INT):
+            raise InvalidArgument(
+                f"seed: workflow {info.name!r} has no seed input; leave seed unset"
+            )
+        inputs["seed"] = seed
+    for p, _, optional in info.inputs:
+        if p not in inputs and not optional:
+            raise InvalidArgument(
+                f"workflow {info.name!r} needs input {p!r}, which an image request cannot give"
+            )
+    return inputs
+
+
+def image_outputs(info: WorkflowInfo) -> tuple[str, str | None]:
+    """(the output holding the PNG, the output holding the prompt that was drawn)."""
+    image = next((o for o in IMAGE_OUTPUTS if o in info.outputs), None)
+    if image is None:
+        image = next(
+            (
+                o
+                for o, node in info.outputs.items()
+                if node in info.nodes and info.nodes[node].role == "diffusion"
+            ),
+            None,
+        )
+    if image is None:
+        raise InvalidArgument(
+            f"workflow {info.name!r} has no image output (named image, or an output of a "
+            "diffusion node): it cannot serve /v1/images/generations"
+        )
+    revised = next((o for o in REVISED_PROMPT_OUTPUTS if o in info.outputs), None)
+    return image, revised
+
+
+def png_of(value: Any, name: str) -> bytes:
+    """A run's image output as PNG bytes."""
+    if isinstance(value, common_pb2.MediaItem) and value.WhichOneof("source") == "data":
+        value = value.data
+    if not isinstance(value, bytes):  # the workflow's fault, not the request's: a 500
+        raise OmniflowError(
+            f"the workflow's output {name!r} is a {type(value).__name__}, not the image's "
+            "bytes (a diffusion node with return_ref gives a reference the gateway cannot "
+            "send)"
+        )
+    return value

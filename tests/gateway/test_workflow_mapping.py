@@ -1,0 +1,201 @@
+"""Unit tests (no network): how a chat or image request maps onto a workflow's inputs and
+which outputs answer it (on graphs compiled by the DSL), and the audio the gateway sends
+(WAV, and pcm16 resampled to 24 kHz, checked with soundfile and soxr's one-shot resampler)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+
+from omniflow.api.common.v1 import common_pb2
+from omniflow.dsl import VType, Workflow
+from omniflow.errors import InvalidArgument
+from omniflow.values import to_python
+from omniflow_services.gateway import audio
+from omniflow_services.gateway.backends import NodeInfo, WorkflowInfo
+from omniflow_services.gateway.workflows import (
+    Recall,
+    answer_output,
+    audio_output,
+    audio_rate,
+    chat_inputs,
+    chat_turn,
+    heard_key,
+    image_inputs,
+    image_outputs,
+)
+
+
+def _info(wf: Workflow) -> WorkflowInfo:
+    """What the gateway reads of a registered graph (as Backends.workflow does)."""
+    g = wf.compile()
+    produced = {k: s.node_output for k, s in g.outputs.items() if s.HasField("node_output")}
+    return WorkflowInfo(
+        g.name,
+        tuple((p.name, int(p.type), p.optional) for p in g.inputs),
+        {k: produced[k].node if k in produced else "" for k in g.outputs},
+        {k: produced[k].output if k in produced else "" for k in g.outputs},
+        {p.name: int(p.type) for p in g.output_ports},
+        {
+            n.name: NodeInfo(
+                n.call.role, n.call.operation, {k: to_python(v) for k, v in n.params.items()}
+            )
+            for n in g.nodes
+            if n.WhichOneof("kind") == "call"
+        },
+    )
+
+
+def _spoken(rate: int | None = None) -> Workflow:
+    wf = Workflow("spoken")
+    audio_in = wf.input("audio", VType.BYTES, optional=True)
+    text = wf.input("text", VType.TEXT, optional=True)
+    history = wf.input("messages", VType.LIST, optional=True)
+    del audio_in, history
+    answer = wf.call("answer", "llm", "generate", prompt=text)
+    params = {"sample_rate": rate} if rate else {}
+    speak = wf.call("speak", "talker", "synthesize", text=answer["text"], params=params)
+    wf.output("text", answer["text"])
+    wf.output("spoken", speak["wav"])
+    return wf
+
+
+def _audio_part(data: bytes) -> dict:
+    return {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"},
+    }
+
+
+def test_chat_turn_splits_the_new_turn_from_history() -> None:
+    recall = Recall(60.0)
+    recall.put("audio:audio_1", "Paris is the capital.")
+    recall.put(heard_key(b"first question"), "what is the capital of france")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [_audio_part(b"first question")]},
+        {"role": "assistant", "content": None, "audio": {"id": "audio_1"}},
+        {"role": "user", "content": [{"type": "text", "text": "And "}, _audio_part(b"new")]},
+    ]
+    turn = chat_turn(messages, recall)
+    assert turn.text == "And " and turn.audio is not None and turn.audio.data == b"new"
+    assert turn.history == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "what is the capital of france"},
+        {"role": "assistant", "content": "Paris is the capital."},
+    ]
+    info = _info(_spoken())
+    inputs = chat_inputs(info, turn)
+    assert inputs == {"audio": b"new", "text": "And ", "messages": turn.history}
+
+
+def test_chat_turn_errors_name_the_message() -> None:
+    recall = Recall(60.0)
+    with pytest.raises(InvalidArgument, match=r"messages\[0\]\.audio\.id 'gone'"):
+        chat_turn(
+            [
+                {"role": "assistant", "content": None, "audio": {"id": "gone"}},
+                {"role": "user", "content": "hi"},
+            ],
+            recall,
+        )
+    with pytest.raises(InvalidArgument, match=r"messages\[1\] follows the last user message"):
+        chat_turn([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}], recall)
+    bad = [{"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}]
+    with pytest.raises(InvalidArgument, match=r"messages\[0\]\.content\[0\]\.input_audio\.data"):
+        chat_turn([{"role": "user", "content": bad}], recall)
+
+
+def test_required_inputs_a_chat_cannot_give_are_named() -> None:
+    wf = Workflow("needs")
+    wf.input("question", VType.TEXT)
+    wf.input("image", VType.MEDIA)
+    wf.output("echo", wf.call("a", "llm", "generate", prompt=wf.input("question"))["text"])
+    info = _info(wf)
+    turn = chat_turn([{"role": "user", "content": "hi"}], Recall(1.0))
+    with pytest.raises(InvalidArgument, match="needs input 'image': send an image_url"):
+        chat_inputs(info, turn)
+    png = "data:image/png;base64," + base64.b64encode(b"\x89PNG").decode()
+    content = [{"type": "image_url", "image_url": {"url": png}}, {"type": "text", "text": "hi"}]
+    turn = chat_turn([{"role": "user", "content": content}], Recall(1.0))
+    inputs = chat_inputs(info, turn)
+    item = inputs["image"]
+    assert isinstance(item, common_pb2.MediaItem) and item.data == b"\x89PNG"
+    assert item.kind == common_pb2.MediaItem.KIND_IMAGE and inputs["question"] == "hi"
+    empty = chat_turn([{"role": "user", "content": [_audio_part(b"x")]}], Recall(1.0))
+    with pytest.raises(InvalidArgument, match="no text, and workflow 'needs' needs its text"):
+        chat_inputs(info, empty)
+
+
+def test_answer_and_audio_outputs() -> None:
+    info = _info(_spoken())
+    assert answer_output(info) == "text"
+    # Not named audio: found as the talker node's output.
+    assert audio_output(info) == "spoken" and audio_rate(info, "spoken") == 16000
+    assert audio_rate(_info(_spoken(22050)), "spoken") == 22050
+    wf = Workflow("mute")
+    wf.output("answer", wf.call("a", "llm", "generate", prompt=wf.input("q", VType.TEXT))["text"])
+    assert audio_output(_info(wf)) is None
+
+
+def test_image_inputs_and_outputs() -> None:
+    wf = Workflow("draw")
+    prompt = wf.input("prompt", VType.TEXT)
+    wf.input("width", VType.INT, optional=True)
+    wf.input("height", VType.INT, optional=True)
+    draw = wf.call("draw", "diffusion", "generate_image", prompt=prompt)
+    wf.output("picture", draw["image"])
+    wf.output("prompt_used", prompt)
+    info = _info(wf)
+    assert image_inputs(info, "a cat", (32, 48), None) == {
+        "prompt": "a cat",
+        "width": 32,
+        "height": 48,
+    }
+    assert image_inputs(info, "a cat", None, None) == {"prompt": "a cat"}
+    with pytest.raises(InvalidArgument, match=r"^seed: workflow 'draw' has no seed input"):
+        image_inputs(info, "a cat", None, 3)
+    assert image_outputs(info) == ("picture", "prompt_used")
+
+
+def test_recall_expires_and_is_bounded() -> None:
+    recall = Recall(ttl_s=-1.0)
+    recall.put("a", "x")
+    assert recall.get("a") is None
+    recall = Recall(ttl_s=60.0, max_entries=2)
+    for key in "abc":
+        recall.put(key, key)
+    assert [recall.get(k) for k in "abc"] == [None, "b", "c"]
+
+
+def test_pcm16_is_24khz_and_wav_keeps_the_rate() -> None:
+    import soundfile as sf
+    import soxr
+
+    rate = 16000
+    t = np.arange(rate) / rate
+    pcm = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2").tobytes()
+    wav = audio.encode(pcm, rate, "wav")
+    samples, got = sf.read(io.BytesIO(wav), dtype="int16")
+    assert got == rate and samples.tobytes() == pcm
+    assert audio.encode(wav, 0, "wav") == wav  # a WAV is sent as it is
+    # Streamed in odd-sized chunks (split samples too), as one signal.
+    stream = audio.PcmResampler(rate, audio.PCM16_RATE)
+    parts = [stream(pcm[i : i + 999]) for i in range(0, len(pcm), 999)]
+    out = np.frombuffer(b"".join(parts) + stream(b"", last=True), dtype="<i2")
+    whole = np.frombuffer(audio.encode(wav, 0, "pcm16"), dtype="<i2")
+    assert len(out) == len(whole) == audio.PCM16_RATE
+    ref = soxr.resample(np.frombuffer(pcm, dtype="<i2").astype(np.float32), rate, 24000)
+    assert np.abs(whole.astype(np.float32) - ref).max() <= 2.0
+    assert np.abs(out.astype(np.float32) - ref).max() <= 2.0
+
+
+def test_voice_names() -> None:
+    assert audio.talker_voice("alloy") == "" and audio.talker_voice("Shimmer") == ""
+    assert audio.talker_voice("en_US-joe-medium") == "en_US-joe-medium"
+    audio.check_chat_voice("cedar")
+    with pytest.raises(InvalidArgument, match=r"audio\.voice 'zz' is not served; accepted: alloy"):
+        audio.check_chat_voice("zz")
