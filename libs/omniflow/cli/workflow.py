@@ -43,11 +43,18 @@ def add_subcommands(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="K=V",
-        help="an input value (typed by the workflow's input; @path reads a file as bytes)",
+        help="an input value (typed by the workflow's input; @path reads a file as bytes, "
+        "as does the path of an existing file given to a bytes or any input)",
     )
     p_run.add_argument("--version", type=int, default=0, help="0: the latest")
     p_run.add_argument("--deadline-ms", type=int, default=0, help="0: the workflow's default")
     p_run.add_argument("--quiet", "-q", action="store_true", help="print only the outputs")
+    p_run.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("."),
+        help="folder for outputs that are files (audio, images): WORKFLOW.OUTPUT.EXT",
+    )
     p_run.add_argument("--coordinator", default="", help="coordinator host:port")
 
 
@@ -108,13 +115,41 @@ def parse_inputs(pairs: list[str], graph: cpb.WorkflowGraph) -> dict[str, Any]:
                 f"workflow {graph.name!r} has no input {key!r}; inputs: {', '.join(ports)}"
             )
         if raw.startswith("@"):
-            values[key] = Path(raw[1:]).read_bytes()
+            values[key] = _read(key, Path(raw[1:]))
+            continue
+        if ports[key] in (VType.BYTES, VType.ANY) and raw[:1] not in "[{" and Path(raw).is_file():
+            values[key] = _read(key, Path(raw))  # e.g. audio=question.wav
             continue
         try:
             values[key] = parse_cli_value(raw, ports[key])
         except InvalidArgument as exc:
             raise InvalidArgument(f"input {key!r}: {exc}") from None
     return values
+
+
+def _read(key: str, path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"input {key!r}: cannot read {path}: {exc}") from None
+
+
+_EXTENSIONS = ((b"RIFF", "wav"), (b"\x89PNG", "png"), (b"\xff\xd8\xff", "jpg"), (b"fLaC", "flac"))
+
+
+def save_files(outputs: dict[str, Any], name: str, folder: Path) -> dict[str, Any]:
+    """Bytes outputs written to ``folder`` as ``name.output.ext`` (by their magic); the
+    outputs with those replaced by the paths written."""
+    shown = dict(outputs)
+    for key, value in outputs.items():
+        if not isinstance(value, bytes) or not value:
+            continue
+        ext = next((e for magic, e in _EXTENSIONS if value.startswith(magic)), "bin")
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}.{key}.{ext}"
+        path.write_bytes(value)
+        shown[key] = str(path)
+    return shown
 
 
 class Progress:
@@ -175,7 +210,8 @@ async def _run(args: argparse.Namespace) -> int:
             deadline_ms=args.deadline_ms,
             on_event=progress,
         )
-    shown = {k: _jsonable(v) for k, v in result.outputs.items()}
+    files = save_files(result.outputs, graph.name, args.out_dir) if result.ok else result.outputs
+    shown = {k: _jsonable(v) for k, v in files.items()}
     if not args.quiet:
         print(f"{result.state}: run {result.run_id}", file=sys.stderr)
     if result.ok:
