@@ -29,6 +29,13 @@ class KVIndexSettings(CommonSettings):
     max_index_namespaces: int = setting(
         "OMNIFLOW_KV_MAX_INDEX_NAMESPACES", 1024, "most registered KV namespaces", minimum=1
     )
+    max_page_bytes: int = setting(
+        "OMNIFLOW_KV_MAX_PAGE_BYTES",
+        1 << 30,
+        "largest page a registered layout may describe (2 x layers x kv_heads x head_dim x "
+        "dtype bytes x page_size)",
+        minimum=1,
+    )
     sweep_interval_s: float = setting(
         "OMNIFLOW_KV_SWEEP_INTERVAL_S",
         0.5,

@@ -94,6 +94,12 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
         if not request.HasField("layout"):
             raise InvalidArgument("layout is required")
         layout = layout_from_proto(request.layout)
+        most = self.app.settings.max_page_bytes
+        if layout.page_bytes > most:  # also keeps page_bytes within the reply's uint64
+            raise InvalidArgument(
+                f"layout: a page of this layout is {layout.page_bytes} bytes, more than the "
+                f"largest accepted, {most} (raise it with OMNIFLOW_KV_MAX_PAGE_BYTES)"
+            )
         limit = self.app.settings.max_index_namespaces
         if (await self.core.stats()).namespaces >= limit:
             try:

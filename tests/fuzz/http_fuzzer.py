@@ -76,7 +76,19 @@ class BodyGen:
         return self.rng.choice(("hello", 8, 0.0, [], {}, "stream"))
 
     def json_object(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model} if self.rng.random() < 0.7 else {}
+        if self.rng.random() < 0.5:  # a valid request with a field or two gone extreme
+            body: dict[str, Any] = self.rng.choice(
+                (
+                    {"model": self.model, "prompt": "hi there", "max_tokens": 4},
+                    {"model": self.model, "messages": [{"role": "user", "content": "hi"}],
+                     "max_tokens": 4},
+                    {"model": self.model, "prompt": "hi", "max_tokens": 4, "stream": True},
+                )
+            )  # fmt: skip
+            for _ in range(self.rng.randint(1, 2)):
+                body[self.rng.choice(_FIELDS)] = self.value()
+            return body
+        body = {"model": self.model} if self.rng.random() < 0.7 else {}
         for _ in range(self.rng.randint(0, 6)):
             body[self.rng.choice(_FIELDS)] = self.value()
         if "max_tokens" not in body:  # keep generations that do run short

@@ -15,9 +15,10 @@ import os
 import uuid
 from collections.abc import Sequence
 
+import grpc
 import pytest
 from conftest import MAX_INLINE, FuzzTopology
-from fuzzer import Skip, Tally, fuzz, fuzz_requests, report
+from fuzzer import Skip, Tally, Templates, fuzz, fuzz_requests, report
 from google.protobuf import descriptor as gdesc
 
 from omniflow.api.common.v1 import common_pb2
@@ -30,7 +31,7 @@ from omniflow.client import Client
 from omniflow.dsl import VType, Workflow
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.kv.checksum import page_checksum
-from omniflow.kv.wire import layout_to_proto
+from omniflow.kv.wire import layout_from_proto, layout_to_proto
 from omniflow.rpc.client import open_channel
 
 pytestmark = pytest.mark.integration
@@ -52,6 +53,7 @@ async def _fuzz_service(
     *,
     sizes: Sequence[int] = (),
     skip: Skip | None = None,
+    templates: Templates | None = None,
 ) -> Tally:
     tally = Tally(name)
     tally.rss_before_kb = topo.rss_kb(name)
@@ -66,6 +68,7 @@ async def _fuzz_service(
             seed=SEED * 100 + i,
             sizes=sizes,
             skip=skip,
+            templates=templates,
             alive=lambda: topo.alive(name),
         )
     if topo.alive(name):
@@ -148,19 +151,49 @@ async def test_fuzz_kv_index(fuzz_topology: FuzzTopology) -> None:
     topo = fuzz_topology
     hashes, _ = await _store_pages(topo, seed=1)
     index = [_service(kvindex_pb2, "KVIndexService")]
-    await _fuzz_service(topo, "kv-index", index, sizes=(1 << 20,))
+    valid: Templates = {
+        "MatchPrefix": [kvindex_pb2.MatchPrefixRequest(namespace=NS, block_hashes=hashes)],
+        "GetNamespace": [kvindex_pb2.GetNamespaceRequest(namespace=NS)],
+        "RegisterNamespace": [kvindex_pb2.RegisterNamespaceRequest(layout=layout_to_proto(LAYOUT))],
+    }
+    await _fuzz_service(topo, "kv-index", index, sizes=(1 << 20,), templates=valid)
     await _indexed(topo, hashes)
     async with open_channel(topo.addr("kv-index")) as ich:
         stub = kvindex_pb2_grpc.KVIndexServiceStub(ich)
         got = await stub.GetNamespace(kvindex_pb2.GetNamespaceRequest(namespace=NS), timeout=5)
         assert got.layout.page_size == LAYOUT.page_size
+        # Found by this fuzz (was INTERNAL, after registering it): a layout whose page
+        # size overflows the reply's uint64 is refused, naming the bound, and not kept.
+        huge = common_pb2.KVLayout(
+            model_id="huge", num_layers=2**32 - 1, num_kv_heads=2**32 - 1, head_dim=2**32 - 1,
+            page_size=2**32 - 1,
+        )  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.RegisterNamespace(kvindex_pb2.RegisterNamespaceRequest(layout=huge))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "OMNIFLOW_KV_MAX_PAGE_BYTES" in (info.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            ns = layout_from_proto(huge).namespace.hex()
+            await stub.GetNamespace(kvindex_pb2.GetNamespaceRequest(namespace=ns), timeout=5)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def test_fuzz_kv_agent(fuzz_topology: FuzzTopology) -> None:
     topo = fuzz_topology
     hashes, data = await _store_pages(topo, seed=2)
     agent = [_service(kvagent_pb2, "KVAgentService")]
-    await _fuzz_service(topo, "kv-agent", agent, sizes=(1 << 20,), skip=_agent_skip)
+    fresh = block_hashes(LAYOUT.namespace, list(range(7, 7 + LAYOUT.page_size)), LAYOUT.page_size)
+    page = os.urandom(LAYOUT.page_bytes)
+    valid: Templates = {
+        "GetPages": [kvagent_pb2.GetPagesRequest(namespace=NS, block_hashes=hashes)],
+        "LocatePages": [kvagent_pb2.LocatePagesRequest(namespace=NS, block_hashes=hashes)],
+        "PutPages": [_chunk(fresh[0], page)],  # other hashes: the stored pages stay checkable
+        "GetArena": [kvagent_pb2.GetArenaRequest(namespace=NS)],
+        "Evict": [kvagent_pb2.EvictRequest(namespace=NS, block_hashes=[os.urandom(16)])],
+    }
+    await _fuzz_service(
+        topo, "kv-agent", agent, sizes=(1 << 20,), skip=_agent_skip, templates=valid
+    )
     assert await _read_pages(topo, hashes) == data
     await _indexed(topo, hashes)
     again, more = await _store_pages(topo, seed=3)  # still takes new pages
@@ -181,11 +214,26 @@ async def _generate(address: str) -> str:
         return "".join([r.text async for r in stub.Generate(req, timeout=60)])
 
 
+def _worker_templates() -> Templates:
+    generate = worker_pb2.GenerateRequest(
+        request_id="fuzz", text=CANARY, sampling=common_pb2.SamplingParams(max_tokens=4)
+    )
+    return {
+        "Generate": [generate],
+        "Abort": [worker_pb2.AbortRequest(request_id="fuzz")],
+        "GetInfo": [worker_pb2.GetInfoRequest()],
+    }
+
+
 async def test_fuzz_llm_worker(fuzz_topology: FuzzTopology) -> None:
     topo = fuzz_topology
     before = await _generate(topo.addr("llm-1"))
     await _fuzz_service(
-        topo, "llm-1", [_service(worker_pb2, "WorkerService")], sizes=(64 << 10, 1 << 20)
+        topo,
+        "llm-1",
+        [_service(worker_pb2, "WorkerService")],
+        sizes=(64 << 10, 1 << 20),
+        templates=_worker_templates(),
     )
     assert await _generate(topo.addr("llm-1")) == before
 
@@ -197,7 +245,8 @@ async def test_fuzz_router(fuzz_topology: FuzzTopology) -> None:
     topo = fuzz_topology
     before = await _generate(topo.addr("router"))  # through the proxy
     services = [_service(router_pb2, "RouterService"), _service(worker_pb2, "WorkerService")]
-    await _fuzz_service(topo, "router", services, sizes=(64 << 10,))
+    valid = {**_worker_templates(), "Pick": [router_pb2.PickRequest(role="llm")]}
+    await _fuzz_service(topo, "router", services, sizes=(64 << 10,), templates=valid)
     async with open_channel(topo.addr("router")) as ch:
         stub = router_pb2_grpc.RouterServiceStub(ch)
         listed = await stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
@@ -225,11 +274,21 @@ async def test_fuzz_coordinator(fuzz_topology: FuzzTopology) -> None:
         await client.register(_keep_workflow())
         first = await client.run("fuzz-keep", {"prompt": CANARY})
         assert first.ok, first.error
+    submit = coordinator_pb2.SubmitRunRequest(workflow="fuzz-keep")
+    submit.inputs["prompt"].text = CANARY
+    valid: Templates = {
+        "SubmitRun": [submit],
+        "RunWorkflow": [submit],
+        "GetRun": [coordinator_pb2.GetRunRequest(run_id=first.run_id)],
+        "StreamRunEvents": [coordinator_pb2.StreamRunEventsRequest(run_id=first.run_id)],
+        "GetWorkflow": [coordinator_pb2.GetWorkflowRequest(name="fuzz-keep")],
+    }
     await _fuzz_service(
         topo,
         "coordinator",
         [_service(coordinator_pb2, "CoordinatorService")],
         sizes=(MAX_INLINE, MAX_INLINE + 1, 4 * MAX_INLINE + 1),
+        templates=valid,
     )
     async with open_channel(topo.addr("coordinator")) as ch:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
