@@ -25,18 +25,19 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions as redis_exc
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
-from omniflow.errors import Unavailable
+from omniflow.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
 _LOG_NAME = "redis.log"
+_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@]*:)[^@/]*@")
 
 
 class LocalRedisError(Unavailable):
@@ -45,25 +46,59 @@ class LocalRedisError(Unavailable):
 
 def redact_url(url: str) -> str:
     """``url`` with its password (if any) replaced by ``***``, for logs and errors."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    # By pattern, not urlsplit: a Sentinel URL names several host:port pairs.
+    return _PASSWORD.sub(r"\1***@", url, count=1)
+
+
+SENTINEL_SCHEME = "redis+sentinel"
 
 
 def redis_client(url: str, timeout_s: float, **kw: Any) -> aioredis.Redis:
     """An asyncio Redis client with deadlines on every command and one transparent
-    reconnect-and-retry: after a Redis restart each pooled connection fails once."""
-    return aioredis.Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
-        retry_on_error=[redis_exc.ConnectionError],
+    reconnect-and-retry: after a Redis restart each pooled connection fails once.
+
+    ``redis+sentinel://[:password@]host:port[,host:port...]/<master name>[/<db>]`` asks
+    those Sentinels for the master (a replicated Redis or Valkey with failover): after a
+    failover the retry reconnects to the newly promoted master (docs/reliability.md)."""
+    common: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+        "retry_on_error": [redis_exc.ConnectionError],
         **kw,
-    )
+    }
+    if url.startswith(SENTINEL_SCHEME + "://"):
+        sentinels, name, db, password = parse_sentinel_url(url)
+        sentinel = Sentinel(
+            sentinels,
+            sentinel_kwargs={"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s},
+        )
+        return sentinel.master_for(name, db=db, password=password, **common)
+    return aioredis.Redis.from_url(url, **common)
+
+
+def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
+    """``redis+sentinel://[:pw@]h1:p1,h2:p2/master[/db]`` → (sentinels, master, db, pw)."""
+    rest = url[len(SENTINEL_SCHEME) + 3 :]
+    auth, _, rest = rest.rpartition("@")
+    hosts, _, path = rest.partition("/")
+    password = auth.partition(":")[2] or None if auth else None
+    parts = [p for p in path.split("/") if p]
+    sentinels: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(
+                f"{redact_url(url)}: sentinel {item!r} is not host:port "
+                f"(expected {SENTINEL_SCHEME}://[:password@]host:port,.../<master>[/<db>])"
+            )
+        sentinels.append((host, int(port)))
+    if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise InvalidArgument(
+            f"{redact_url(url)}: name the master (and optionally a db number): "
+            f"{SENTINEL_SCHEME}://host:port,.../<master>[/<db>]"
+        )
+    return sentinels, parts[0], int(parts[1]) if len(parts) == 2 else 0, password
 
 
 def find_redis_server() -> Path:

@@ -33,9 +33,6 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from omniflow.discovery.base import (
@@ -46,6 +43,7 @@ from omniflow.discovery.base import (
     sorted_instances,
 )
 from omniflow.errors import InvalidArgument, OmniflowError
+from omniflow.localredis import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -95,16 +93,9 @@ class RedisRegistry(Registry):
         self._prefix = prefix
         self._timeout_s = timeout_s
         self._poll_interval_s = poll_interval_s
-        self._redis: aioredis.Redis = aioredis.Redis.from_url(
-            url,
-            decode_responses=True,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            # After a Redis restart every pooled connection is stale once: reconnect and
-            # retry. All our writes are idempotent, so a retry cannot do harm.
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
-            retry_on_error=[RedisConnectionError],
-        )
+        # After a Redis restart (or a Sentinel failover: redis+sentinel:// URLs) every pooled
+        # connection is stale once: reconnect and retry. All our writes are idempotent.
+        self._redis: aioredis.Redis = redis_client(url, timeout_s, decode_responses=True)
         self._list_script = self._redis.register_script(_LIST_SCRIPT)
         self._registered: dict[str, tuple[ServiceInstance, float]] = {}
         self._refreshers: dict[str, asyncio.Task[None]] = {}

@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import redis.asyncio as aioredis
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.client import Client
 from omniflow.dsl import Retry, VType, Workflow
 from omniflow.errors import OmniflowError
+from omniflow.localredis import redis_client
 from omniflow.rpc.client import open_channel
 from omniflow.security.local import use_local_security
 from omniflow.security.transport import configure as configure_security
@@ -305,7 +305,7 @@ async def run_phase(
 
 async def stuck_runs(topo: LocalTopology, run_ids: list[str], wait_s: float) -> list[str]:
     """Runs still RUNNING (or active) once ``wait_s`` of adoption window passed."""
-    db = aioredis.from_url(topo.redis_url, socket_timeout=5)
+    db = redis_client(topo.redis_url, 5.0)
     try:
         end = time.monotonic() + wait_s
         stuck: list[str] = []

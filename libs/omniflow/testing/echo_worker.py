@@ -290,11 +290,10 @@ class EchoWorkerApp(ServiceApp):
         self.runtime = runtime
         self._tasks.append(asyncio.create_task(self.core.engine.run()))
         if self.settings.publish_kv:
-            import redis.asyncio as aioredis
-
             from omniflow.kv.index_store import KVIndex, OwnerInfo, OwnerKind
+            from omniflow.localredis import redis_client
 
-            self._redis = aioredis.from_url(self.settings.redis_url)
+            self._redis = redis_client(self.settings.redis_url, 5.0)
             index = KVIndex(self._redis)  # type: ignore[arg-type]
             await index.start()
             await index.register_namespace(ECHO_LAYOUT)
