@@ -445,7 +445,9 @@ def table(rows: Sequence[dict[str, object]]) -> str:
                 str(r["tracebacks"]),
             )
         )
-    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+    out = ["| " + " | ".join(cells) + " |" for cells in lines]
+    out.insert(1, "|" + "---|" * len(head))
+    return "\n".join(out)
 
 
 def report(tally: Tally) -> None:

@@ -1,0 +1,63 @@
+"""Fuzz bench: the fuzz tests (tests/fuzz) with more requests, and their table.
+
+    .venv/bin/python bench/fuzz.py [--requests 2000] [--seed 1]
+
+Runs ``pytest tests/fuzz`` (one real topology: Redis, kv-index, kv-agent, an llm worker
+on the tiny model, router, coordinator, gateway) with ``OMNIFLOW_FUZZ_REQUESTS`` per
+service, collects each service's row and prints: requests sent, answers by status code,
+crashes, INTERNAL/UNKNOWN (HTTP 500 for the gateway), RSS before and after, tracebacks
+the fuzz added to the service's log; then the load average. Exit status: pytest's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ORDER = ("kv-index", "kv-agent", "llm-1", "router", "coordinator", "gateway")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=2000, help="fuzz requests per service")
+    p.add_argument("--seed", type=int, default=1, help="fuzz seed (the same seed, the same run)")
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT / "tests" / "fuzz"))
+    from fuzzer import table  # the tests' own module: one definition of the table
+
+    with tempfile.TemporaryDirectory(prefix="omniflow-fuzz-") as tmp:
+        report = Path(tmp) / "rows.jsonl"
+        env = {
+            **os.environ,
+            "OMNIFLOW_FUZZ_REQUESTS": str(args.requests),
+            "OMNIFLOW_FUZZ_SEED": str(args.seed),
+            "OMNIFLOW_FUZZ_REPORT": str(report),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/fuzz"],
+            cwd=ROOT, env=env, check=False,
+        )  # fmt: skip
+        wall = time.monotonic() - started
+        lines = report.read_text().splitlines() if report.exists() else []
+    rows = [json.loads(line) for line in lines]
+    rows.sort(key=lambda r: ORDER.index(r["service"]) if r["service"] in ORDER else len(ORDER))
+    print(f"\n{args.requests} fuzz requests per service, seed {args.seed}; rc {done.returncode}")
+    print(table(rows))
+    for r in rows:
+        for bad in r["bad"]:
+            print(f"  {r['service']}: {bad}")
+    print(f"wall time {wall:.0f} s; load average {os.getloadavg()}")
+    return done.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
