@@ -553,7 +553,10 @@ class KVAgentApp(ServiceApp):
                 raise NotFound(
                     f"namespace {namespace.hex()} is not registered at the index"
                 ) from None
-            raise type(err)(f"kv index: {err}") from None
+            err.args = (
+                f"kv index: {err}",
+            )  # keeps its class (also an AioRpcError from the channel)
+            raise err from None
 
     async def pool_for(self, namespace_hex: str) -> tuple[PagePool, bytes]:
         """The pool of a namespace (its page size comes from the index)."""

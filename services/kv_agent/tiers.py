@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omniflow.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
-from omniflow.kv.blocks import HASH_BYTES
+from omniflow.kv.blocks import HASH_BYTES, check_hash, check_namespace
 from omniflow.kv.checksum import page_checksum
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind, Tier
 from omniflow_services.kv_agent.host_tier import HostTier
@@ -67,12 +67,7 @@ class StoreStats:
 
 
 def _key(namespace: bytes, block_hash: bytes) -> bytes:
-    if len(namespace) != HASH_BYTES or len(block_hash) != HASH_BYTES:
-        raise InvalidArgument(
-            f"namespace and block hash must be {HASH_BYTES} bytes, got "
-            f"{len(namespace)} and {len(block_hash)}"
-        )
-    return namespace + block_hash
+    return check_namespace(namespace) + check_hash(block_hash)
 
 
 class TieredStore:

@@ -26,7 +26,7 @@ import numpy as np
 from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
 from omniflow.errors import DataLoss, FailedPrecondition, InvalidArgument
 from omniflow.kv.arena import HEADER_BYTES
-from omniflow.kv.blocks import HASH_BYTES
+from omniflow.kv.pages import ChunkOrder
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
@@ -60,9 +60,6 @@ class PageReceiver:
         expected: list[bytes] | None = None,
     ) -> None:
         self.pool = pool
-        #: In a pull, the hashes asked for, in order: the only pages accepted.
-        self.expected = expected
-        self._pages = 0
         self.namespace = namespace
         self.max_chunk_bytes = max_chunk_bytes
         self.counters = counters
@@ -70,79 +67,35 @@ class PageReceiver:
         self.rejected = 0
         self.errors: list[str] = []
         self.bytes = 0
-        self._hash = b""
+        #: In a pull, ``expected`` (the hashes asked for, in order) are the only pages accepted.
+        self._order = ChunkOrder(pool.page_bytes, expected, max_chunk_bytes)
         self._res: Reservation | None = None
         self._skip = False  # already held: the bytes are read and dropped
-        self._off = 0
-        self._checksum = 0
 
     def feed(self, chunk: kvagent_pb2.PageChunk) -> None:
         """Take one chunk; InvalidArgument on a malformed one (the open page is dropped)."""
-        pb = self.pool.page_bytes
-        n = len(chunk.data)
-        if n > self.max_chunk_bytes:
-            raise InvalidArgument(
-                f"chunk of {n} bytes exceeds the limit of {self.max_chunk_bytes} bytes"
-            )
-        if not self._hash:
-            if len(chunk.block_hash) != HASH_BYTES:
-                raise InvalidArgument(
-                    f"block hash has {len(chunk.block_hash)} bytes; block hashes are "
-                    f"{HASH_BYTES} bytes"
-                )
-            if chunk.page_bytes != pb:
-                raise InvalidArgument(
-                    f"page {chunk.block_hash.hex()} is {chunk.page_bytes} bytes but namespace "
-                    f"{self.namespace.hex()} has pages of {pb} bytes"
-                )
-            if chunk.offset != 0:
-                raise InvalidArgument(
-                    f"page {chunk.block_hash.hex()} starts at offset {chunk.offset}; its first "
-                    "chunk must be at 0"
-                )
-            if self.expected is not None:
-                if (
-                    self._pages >= len(self.expected)
-                    or chunk.block_hash != self.expected[self._pages]
-                ):
-                    raise InvalidArgument(
-                        f"page {chunk.block_hash.hex()} was not asked for at position "
-                        f"{self._pages} of the pull"
-                    )
-                self._pages += 1
-            self._hash, self._off, self._checksum = chunk.block_hash, 0, chunk.checksum
+        order = self._order
+        if order.feed(chunk):
             self._res = self.pool.store.reserve(self.namespace, chunk.block_hash)
             self._skip = self._res is None
-        elif chunk.block_hash != self._hash or chunk.offset != self._off:
-            raise InvalidArgument(
-                f"page {self._hash.hex()} ended after {self._off} of {pb} bytes (next chunk: "
-                f"page {chunk.block_hash.hex()} offset {chunk.offset}); chunks must be in order"
-            )
-        if self._off + n > pb:
-            raise InvalidArgument(
-                f"page {self._hash.hex()}: chunk at {self._off} of {n} bytes runs past {pb} bytes"
-            )
+        n = len(chunk.data)
         if self._res is not None and n:
             view = self.pool.arena.view(self._res.slot)
-            view[self._off : self._off + n] = np.frombuffer(chunk.data, dtype=np.uint8)
-        self._off += n
+            view[order.offset : order.offset + n] = np.frombuffer(chunk.data, dtype=np.uint8)
         self.bytes += n
+        h, checksum = order.block_hash, order.checksum
+        order.advance(chunk)
         if chunk.last:
-            if self._off != pb:
-                raise InvalidArgument(
-                    f"page {self._hash.hex()} marked last after {self._off} of {pb} bytes"
-                )
-            self._finish_page()
+            self._finish_page(h, checksum)
 
-    def _finish_page(self) -> None:
+    def _finish_page(self, h: bytes, checksum: int) -> None:
         res, self._res = self._res, None
-        h, self._hash = self._hash, b""
         if self._skip:
             self.stored += 1
             return
         assert res is not None
         try:
-            self.pool.store.commit(res, self._checksum)
+            self.pool.store.commit(res, checksum)
         except DataLoss as exc:
             self.rejected += 1  # the store counted it in its checksum failures
             self.errors.append(str(exc))
@@ -156,9 +109,10 @@ class PageReceiver:
         if self._res is not None:
             self.pool.store.abort(self._res)
             self._res = None
-        if self._hash:
-            self.errors.append(f"page {self._hash.hex()} incomplete ({self._off} bytes)")
-            self._hash = b""
+        if self._order.block_hash:
+            h, off = self._order.block_hash, self._order.offset
+            self.errors.append(f"page {h.hex()} incomplete ({off} bytes)")
+            self._order.block_hash = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +163,10 @@ class Puller:
             return await call
         except grpc.aio.AioRpcError as exc:
             err = error_from_rpc(exc)
-            raise type(err)(f"source agent {address}: {err}") from None
+            err.args = (
+                f"source agent {address}: {err}",
+            )  # keeps its class (also an AioRpcError from the channel)
+            raise err from None
 
     async def choose_channel(self, address: str, wanted: str) -> str:
         if wanted not in ("", "grpc", "nixl"):
@@ -365,4 +322,7 @@ async def _iterate(
             yield chunk
     except grpc.aio.AioRpcError as exc:
         err = error_from_rpc(exc)
-        raise type(err)(f"source agent {address}: {err}") from None
+        err.args = (
+            f"source agent {address}: {err}",
+        )  # keeps its class (also an AioRpcError from the channel)
+        raise err from None

@@ -26,7 +26,7 @@ from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.rpc.client import open_channel
 from omniflow_services.worker.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
-from omniflow_services.worker.sglang.transport import AgentPageStore
+from omniflow.kv.blocking import AgentPageStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 

@@ -54,7 +54,7 @@ from omniflow_services.worker.sglang.pages import (
     namespace_model_id,
     sglang_page_keys,
 )
-from omniflow_services.worker.sglang.transport import PageAssembler, page_chunks
+from omniflow.kv.pages import PageAssembler, page_chunks
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 NS = KVLayout("m", num_layers=2, num_kv_heads=2, head_dim=8).namespace

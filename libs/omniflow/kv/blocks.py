@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from omniflow.errors import InvalidArgument
+
 HASH_BYTES = 16
 ROOT_PARENT = bytes(HASH_BYTES)
 DEFAULT_PAGE_SIZE = 16
@@ -22,6 +24,31 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "
 
 class BlockIdentityError(ValueError):
     """A layout or token list that cannot produce block hashes."""
+
+
+def check_hash(value: bytes, what: str = "block hash") -> bytes:
+    """``value`` if it is a 16-byte block hash; else InvalidArgument naming ``what``. The one
+    block-hash length check of the worker, the agent, the index and their clients."""
+    if len(value) != HASH_BYTES:
+        raise InvalidArgument(f"{what} has {len(value)} bytes; block hashes are {HASH_BYTES} bytes")
+    return value
+
+
+def check_namespace(namespace: bytes) -> bytes:
+    """``namespace`` if it is 16 bytes (a layout fingerprint); else InvalidArgument."""
+    if len(namespace) != HASH_BYTES:
+        raise InvalidArgument(f"namespace must be {HASH_BYTES} bytes, got {len(namespace)}")
+    return namespace
+
+
+def check_hashes(hashes: Sequence[bytes], limit: int | None = None) -> list[bytes]:
+    """The hashes as a list, each 16 bytes, at most ``limit`` of them (InvalidArgument)."""
+    if limit is not None and len(hashes) > limit:
+        raise InvalidArgument(f"at most {limit} block hashes per request, got {len(hashes)}")
+    out = list(hashes)
+    for i, h in enumerate(out):
+        check_hash(h, f"block hash {i}")
+    return out
 
 
 @dataclass(frozen=True, slots=True)

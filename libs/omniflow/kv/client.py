@@ -33,10 +33,17 @@ import numpy as np
 
 from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
-from omniflow.errors import DataLoss, InvalidArgument, OmniflowError, Unavailable
+from omniflow.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    OmniflowError,
+    Unavailable,
+)
 from omniflow.kv.arena import HostArena
-from omniflow.kv.blocks import HASH_BYTES, KVLayout
+from omniflow.kv.blocks import KVLayout, check_hash, check_namespace
 from omniflow.kv.checksum import page_checksum
+from omniflow.kv.pages import PageAssembler, PageData, as_bytes, page_chunks
 from omniflow.kv.wire import layout_to_proto
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
@@ -56,6 +63,25 @@ class SourceKind(StrEnum):
 
 
 _TIER_KIND = {1: SourceKind.DEVICE, 2: SourceKind.HOST, 3: SourceKind.SSD}
+
+
+class NoArena(FailedPrecondition):
+    """The agent's shared-memory arena cannot be mapped here (another node or container)."""
+
+
+@dataclass(slots=True)
+class TransportStats:
+    """Page traffic of one client since start (``read``/``write`` and the streams)."""
+
+    pages_put: int = 0
+    pages_got: int = 0
+    pages_pulled: int = 0
+    checksum_failures: int = 0
+    zero_copy_puts: int = 0
+    streamed_puts: int = 0
+    zero_copy_gets: int = 0
+    streamed_gets: int = 0
+    errors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +155,9 @@ class KVClient:
         device_owner_id: str = "",
         timeout_s: float = 10.0,
         max_pending_stores: int = 64,
+        zero_copy: bool = True,
+        chunk_bytes: int = 4 * 1024 * 1024,
+        max_batch: int = 256,
     ) -> None:
         self.agent_address = agent_address
         self.index_address = index_address
@@ -138,6 +167,11 @@ class KVClient:
         self.agent_id = ""
         self.stores_dropped = 0
         self.store_failures = 0
+        #: False once the arena proved unmappable here: pages then stream over gRPC.
+        self.zero_copy = zero_copy
+        self.chunk_bytes = chunk_bytes
+        self.max_batch = max_batch
+        self.stats = TransportStats()
         self._agent_channel: TracedChannel = open_channel(
             agent_address, default_timeout_s=timeout_s
         )
@@ -148,6 +182,7 @@ class KVClient:
             self._index_channel = open_channel(index_address, default_timeout_s=timeout_s)
             self._index = kvindex_pb2_grpc.KVIndexServiceStub(self._index_channel)
         self._arenas: dict[str, HostArena] = {}
+        self._page_bytes: dict[bytes, int] = {}  # per namespace, for streamed reads
         self._pending: set[asyncio.Task[int]] = set()
 
     async def close(self) -> None:
@@ -172,8 +207,10 @@ class KVClient:
         try:
             return await call
         except grpc.aio.AioRpcError as exc:
+            self.stats.errors += 1
             err = error_from_rpc(exc)
-            raise type(err)(f"{what}: {err}") from None
+            err.args = (f"{what}: {err}",)  # keeps its class
+            raise err from None
 
     async def register_namespace(self, layout: KVLayout) -> bytes:
         """Register ``layout`` at the index (idempotent); returns its namespace."""
@@ -187,6 +224,35 @@ class KVClient:
         )
         return layout.namespace
 
+    def use_layout(self, layout: KVLayout) -> bytes:
+        """Remember ``layout``'s page size (it checks writes and sizes streamed reads) with no
+        call; returns its namespace."""
+        self._page_bytes[layout.namespace] = layout.page_bytes
+        return layout.namespace
+
+    async def ensure_namespace(self, layout: KVLayout) -> bytes:
+        """Make ``layout``'s namespace usable at the agent: registered at the index (whose
+        page size must agree), or, without an index, known to the agent already."""
+        ns = self.use_layout(layout)
+        if self._index is None:
+            # Without an index the agent can only serve a namespace someone registered.
+            await self._call(
+                "kv agent", self._agent.GetArena(kvagent_pb2.GetArenaRequest(namespace=ns.hex()))
+            )
+            return ns
+        reply = await self._call(
+            "kv index",
+            self._index.RegisterNamespace(
+                kvindex_pb2.RegisterNamespaceRequest(layout=layout_to_proto(layout))
+            ),
+        )
+        if reply.page_bytes and reply.page_bytes != layout.page_bytes:
+            raise FailedPrecondition(
+                f"the index has {reply.page_bytes}-byte pages for namespace {ns.hex()}; this "
+                f"layout's are {layout.page_bytes}"
+            )
+        return ns
+
     async def _agent_id(self) -> str:
         if not self.agent_id:
             reply = await self._call("kv agent", self._agent.Stats(kvagent_pb2.StatsRequest()))
@@ -196,7 +262,10 @@ class KVClient:
     def _arena(self, shm_name: str) -> HostArena:
         arena = self._arenas.get(shm_name)
         if arena is None:
-            arena = self._arenas[shm_name] = HostArena.attach(shm_name)
+            try:
+                arena = self._arenas[shm_name] = HostArena.attach(shm_name)
+            except (OmniflowError, OSError) as exc:
+                raise NoArena(f"cannot map the agent's arena {shm_name!r}: {exc}") from None
         return arena
 
     # --- reading ----------------------------------------------------------------------------
@@ -247,20 +316,7 @@ class KVClient:
         if source.kind == SourceKind.DEVICE:
             return PageSet(namespace, [], [], [], source)
         if source.kind == SourceKind.REMOTE:
-            reply = await self._call(
-                f"pull from {source.address}",
-                self._agent.PullPages(
-                    kvagent_pb2.PullPagesRequest(
-                        namespace=namespace.hex(),
-                        block_hashes=hashes[: source.blocks],
-                        source_address=source.address,
-                        source_owner=source.owner_id,
-                        channel=channel,
-                    )
-                ),
-            )
-            if reply.checksum_failures:
-                log.warning("%d pulled pages failed their checksum", reply.checksum_failures)
+            await self._pull(namespace, hashes[: source.blocks], source, channel)
         return await self.locate(namespace, hashes, source)
 
     async def locate(
@@ -268,12 +324,7 @@ class KVClient:
     ) -> PageSet:
         """Pin the leading run of ``hashes`` the local agent holds; views into its arena."""
         hashes = list(hashes)
-        reply = await self._call(
-            "kv agent",
-            self._agent.LocatePages(
-                kvagent_pb2.LocatePagesRequest(namespace=namespace.hex(), block_hashes=hashes)
-            ),
-        )
+        reply = await self._locate(namespace, hashes)
         if not reply.slots:
             return PageSet(namespace, [], [], [], source or Source(SourceKind.NONE, 0))
         try:
@@ -302,6 +353,148 @@ class KVClient:
             )
         except OmniflowError as exc:  # the pin lapses on its own
             log.info("%s", exc)
+
+    async def held(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
+        """Leading pages of ``hashes`` the local agent holds (host or SSD); nothing stays
+        pinned."""
+        hashes = list(hashes)
+        _check(namespace, hashes)
+        total = 0
+        for part in _batches(hashes, self.max_batch):
+            reply = await self._locate(namespace, part)
+            if reply.pin_id:
+                await self._unpin(reply.pin_id)
+            total += len(reply.slots)
+            if len(reply.slots) < len(part):
+                break
+        return total
+
+    async def exists(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
+        """Leading pages of ``hashes`` that ``read`` can bring: held locally, or by another
+        node's agent (per the index; without it, local ones only)."""
+        hashes = list(hashes)
+        local = await self.held(namespace, hashes)
+        if local == len(hashes):
+            return local
+        try:
+            plan = await self.plan(namespace, hashes)
+        except OmniflowError as exc:  # the index is an accelerator
+            log.info("kv index unavailable for exists (%s); local pages only", exc)
+            return local
+        remote = (s.blocks for s in plan.sources if s.kind == SourceKind.REMOTE)
+        return max([local, *remote])
+
+    async def read(self, namespace: bytes, hashes: Sequence[bytes]) -> list[np.ndarray]:
+        """Copies (uint8) of the longest verified leading run of ``hashes``: pulled first from
+        another node's agent when that one holds more; read from the arena in place, or over
+        ``GetPages`` where the arena cannot be mapped. Faults end the run, never raise past
+        the local agent's own answer."""
+        hashes = list(hashes)
+        _check(namespace, hashes)
+        if not hashes:
+            return []
+        try:
+            best = (await self.plan(namespace, hashes)).best
+            if best.kind == SourceKind.REMOTE:
+                await self._pull(namespace, hashes[: best.blocks], best)
+        except OmniflowError as exc:
+            log.info("no pull from another agent (%s); reading local pages", exc)
+        out: list[np.ndarray] = []
+        for part in _batches(hashes, self.max_batch):
+            got = await self._read_local(namespace, part)
+            out.extend(got)
+            if len(got) < len(part):
+                break
+        self.stats.pages_got += len(out)
+        return out
+
+    async def _pull(
+        self, namespace: bytes, hashes: list[bytes], source: Source, channel: str = ""
+    ) -> None:
+        reply = await self._call(
+            f"pull from {source.address}",
+            self._agent.PullPages(
+                kvagent_pb2.PullPagesRequest(
+                    namespace=namespace.hex(),
+                    block_hashes=hashes,
+                    source_address=source.address,
+                    source_owner=source.owner_id,
+                    channel=channel,
+                )
+            ),
+        )
+        self.stats.pages_pulled += reply.pulled
+        self.stats.checksum_failures += reply.checksum_failures
+        if reply.checksum_failures:
+            log.warning("%d pulled pages failed their checksum", reply.checksum_failures)
+
+    async def _locate(
+        self, namespace: bytes, hashes: list[bytes]
+    ) -> kvagent_pb2.LocatePagesResponse:
+        return await self._call(
+            "kv agent",
+            self._agent.LocatePages(
+                kvagent_pb2.LocatePagesRequest(namespace=namespace.hex(), block_hashes=hashes)
+            ),
+        )
+
+    async def _read_local(self, namespace: bytes, hashes: list[bytes]) -> list[np.ndarray]:
+        if self.zero_copy:
+            try:
+                return await self._read_in_place(namespace, hashes)
+            except NoArena as exc:  # not on the agent's node: stream from now on
+                log.info("%s; streaming pages", exc)
+                self.zero_copy = False
+        return await self._read_streamed(namespace, hashes)
+
+    async def _read_in_place(self, namespace: bytes, hashes: list[bytes]) -> list[np.ndarray]:
+        reply = await self._locate(namespace, hashes)
+        if not reply.slots:
+            return []
+        out: list[np.ndarray] = []
+        try:
+            arena = self._arena(reply.shm_name)
+            for ref in reply.slots:
+                page = arena.view(ref.slot).copy()  # copy out, then the pin may go
+                if page_checksum(page) != ref.checksum:
+                    self.stats.checksum_failures += 1
+                    break
+                out.append(page)
+        finally:
+            await self._unpin(reply.pin_id)
+        self.stats.zero_copy_gets += len(out)
+        return out
+
+    async def _page_bytes_of(self, namespace: bytes) -> int:
+        pb = self._page_bytes.get(namespace)
+        if pb is None:
+            arena = await self._call(
+                "kv agent",
+                self._agent.GetArena(kvagent_pb2.GetArenaRequest(namespace=namespace.hex())),
+            )
+            pb = self._page_bytes[namespace] = arena.page_bytes
+        return pb
+
+    async def _read_streamed(self, namespace: bytes, hashes: list[bytes]) -> list[np.ndarray]:
+        asm = PageAssembler(hashes, await self._page_bytes_of(namespace))
+        call = self._agent.GetPages(
+            kvagent_pb2.GetPagesRequest(
+                namespace=namespace.hex(), block_hashes=hashes, chunk_bytes=self.chunk_bytes
+            )
+        )
+        try:
+            async for chunk in call:
+                asm.feed(chunk)
+        except grpc.aio.AioRpcError as exc:
+            self.stats.errors += 1
+            err = error_from_rpc(exc)
+            err.args = (
+                f"kv agent GetPages: {err}",
+            )  # keeps its class (also an AioRpcError from the channel)
+            raise err from None
+        self.stats.checksum_failures += asm.checksum_failures
+        self.stats.streamed_gets += len(asm.pages)
+        return [np.frombuffer(p, dtype=np.uint8) for p in asm.pages]
 
     # --- writing ----------------------------------------------------------------------------
 
@@ -342,12 +535,62 @@ class KVClient:
         self,
         namespace: bytes,
         hashes: Sequence[bytes],
-        pages: Sequence[bytes | bytearray | memoryview | np.ndarray],
+        pages: Sequence[PageData],
     ) -> int:
         """Store pages in the local agent's host tier in place; returns pages committed
         (pages it held already are skipped). Zero-copy path: reserve, write, commit."""
         hashes = list(hashes)
         _check(namespace, hashes)
+        _, committed = await self._put_in_place(namespace, hashes, pages)
+        return committed
+
+    async def write(
+        self, namespace: bytes, hashes: Sequence[bytes], pages: Sequence[PageData]
+    ) -> int:
+        """Store pages (contract byte order) at the local agent, in place where its arena maps
+        here, else over ``PutPages``; returns how many of them it now holds (stored now or
+        before). Raises on a transport fault or a page of the wrong size."""
+        hashes = list(hashes)
+        _check(namespace, hashes)
+        if len(hashes) != len(pages):
+            raise InvalidArgument(f"{len(hashes)} hashes but {len(pages)} pages")
+        want = self._page_bytes.get(namespace)
+        for i, p in enumerate(pages):
+            if want is not None and len(as_bytes(p)) != want:
+                raise InvalidArgument(f"page {i} is {len(as_bytes(p))} bytes; pages are {want}")
+        held = 0
+        for start in range(0, len(hashes), self.max_batch):
+            hs = hashes[start : start + self.max_batch]
+            ps = pages[start : start + self.max_batch]
+            held += await self._write_batch(namespace, hs, ps)
+        self.stats.pages_put += held
+        return held
+
+    async def _write_batch(
+        self, namespace: bytes, hashes: list[bytes], pages: Sequence[PageData]
+    ) -> int:
+        if self.zero_copy:
+            try:
+                already, committed = await self._put_in_place(namespace, hashes, pages)
+                return already + committed
+            except NoArena as exc:  # not on the agent's node: stream from now on
+                log.info("%s; streaming pages", exc)
+                self.zero_copy = False
+        stream = page_chunks(namespace.hex(), hashes, pages, self.chunk_bytes)
+        reply = await self._call("kv agent PutPages", self._agent.PutPages(stream))
+        if reply.rejected:
+            self.stats.checksum_failures += reply.rejected
+            raise DataLoss(
+                f"the agent rejected {reply.rejected} pages: {'; '.join(reply.errors)[:300]}"
+            )
+        self.stats.streamed_puts += reply.stored
+        # PutPages counts what it stored; pages it held already are not errors.
+        return len(hashes)
+
+    async def _put_in_place(
+        self, namespace: bytes, hashes: list[bytes], pages: Sequence[PageData]
+    ) -> tuple[int, int]:
+        """(pages the agent held already, pages committed now): reserve, write, commit."""
         ns = namespace.hex()
         reply = await self._call(
             "kv agent reserve",
@@ -355,30 +598,28 @@ class KVClient:
                 kvagent_pb2.CommitPagesRequest(namespace=ns, reserve_hashes=hashes)
             ),
         )
+        already = len(reply.already_held)
         if not reply.reservations:
-            return 0
+            return already, 0
         by_hash = dict(zip(hashes, pages, strict=True))
         refs = []
         try:
             arena = self._arena(reply.shm_name)
             for res in reply.reservations:
-                data = by_hash[res.block_hash]
-                src = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
-                src = src.reshape(-1).view(np.uint8)
+                src = np.frombuffer(as_bytes(by_hash[res.block_hash]), np.uint8)
                 if src.size != arena.page_bytes:
                     raise InvalidArgument(
                         f"page {res.block_hash.hex()} is {src.size} bytes; the namespace's pages "
                         f"are {arena.page_bytes}"
                     )
-                view = arena.view(res.slot)
-                np.copyto(view, src)
+                np.copyto(arena.view(res.slot), src)
                 refs.append(
                     kvagent_pb2.SlotRef(
                         block_hash=res.block_hash, slot=res.slot, checksum=page_checksum(src)
                     )
                 )
         except BaseException:
-            with contextlib.suppress(OmniflowError):
+            with contextlib.suppress(OmniflowError):  # reservations lapse on their own
                 await self._call(
                     "kv agent abort",
                     self._agent.CommitPages(
@@ -393,13 +634,17 @@ class KVClient:
             self._agent.CommitPages(kvagent_pb2.CommitPagesRequest(namespace=ns, slots=refs)),
         )
         if done.checksum_failures:
+            self.stats.checksum_failures += done.checksum_failures
             raise DataLoss(f"{done.checksum_failures} pages changed before their commit")
-        return done.committed
+        self.stats.zero_copy_puts += done.committed
+        return already, done.committed
+
+
+def _batches(items: list[bytes], size: int) -> list[list[bytes]]:
+    return [items[i : i + size] for i in range(0, len(items), max(1, size))]
 
 
 def _check(namespace: bytes, hashes: Sequence[bytes]) -> None:
-    if len(namespace) != HASH_BYTES:
-        raise InvalidArgument(f"namespace must be {HASH_BYTES} bytes, got {len(namespace)}")
+    check_namespace(namespace)
     for i, h in enumerate(hashes):
-        if len(h) != HASH_BYTES:
-            raise InvalidArgument(f"hash {i} has {len(h)} bytes; block hashes are {HASH_BYTES}")
+        check_hash(h, f"hash {i}")

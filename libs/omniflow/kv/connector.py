@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from omniflow.kv.blocking import LoopThread
 from omniflow.kv.blocks import KVLayout
 from omniflow.kv.checksum import page_checksum
 from omniflow.kv.client import KVClient
@@ -35,10 +36,7 @@ class AgentConnector:
         timeout_s: float = 5.0,
     ) -> None:
         self.timeout_s = timeout_s
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-connector")
-        self._thread.daemon = True
-        self._thread.start()
+        self._loop = LoopThread("kv-connector")
         self._registered: set[bytes] = set()
         self._queued: set[Future[bool]] = set()
         # Write-throughs not acknowledged yet, by block hash (pending_writes).
@@ -53,8 +51,7 @@ class AgentConnector:
         self.client: KVClient = self._run(make())
 
     def _run(self, coro: Any) -> Any:
-        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return fut.result(timeout=self.timeout_s * 3)
+        return self._loop.run(coro, self.timeout_s * 3)
 
     async def _ensure_namespace(self, layout: KVLayout) -> bytes:
         ns = layout.namespace
@@ -94,9 +91,7 @@ class AgentConnector:
         self, layout: KVLayout, hashes: Sequence[bytes], pages: Sequence[bytes]
     ) -> None:
         """Queue a write-through of full pages; returns at once."""
-        fut = asyncio.run_coroutine_threadsafe(
-            self._store(layout, list(hashes), list(pages)), self._loop
-        )
+        fut = self._loop.submit(self._store(layout, list(hashes), list(pages)))
         self._queued.add(fut)
         keys = list(hashes)
         with self._writes_lock:
@@ -134,6 +129,4 @@ class AgentConnector:
         try:
             self._run(self.client.close())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-            self._loop.close()
+            self._loop.stop()

@@ -55,7 +55,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_exc
 
 from omniflow.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from omniflow.kv.blocks import HASH_BYTES, KVLayout
+from omniflow.kv.blocks import KVLayout, check_hash, check_namespace
 from omniflow.kv.events import CLEAR_KINDS, BlockEntry, BlockEvent, EventKind, Tier
 
 log = logging.getLogger(__name__)
@@ -302,8 +302,7 @@ class KVIndex:
     @_unavailable_on_redis_error
     async def layout(self, namespace: bytes) -> KVLayout:
         """The layout of a registered namespace; NotFound otherwise."""
-        if len(namespace) != HASH_BYTES:
-            raise InvalidArgument(f"namespace must be {HASH_BYTES} bytes, got {len(namespace)}")
+        check_namespace(namespace)
         lay = self._layouts.get(namespace)
         if lay is None:
             raw = await self._r.hget(self._p + b"ns", namespace.hex())
@@ -415,10 +414,7 @@ class KVIndex:
         if len(hashes) > self.max_hashes:
             raise InvalidArgument(f"at most {self.max_hashes} hashes per match, got {len(hashes)}")
         for i, h in enumerate(hashes):
-            if len(h) != HASH_BYTES:
-                raise InvalidArgument(
-                    f"hash {i} has {len(h)} bytes; block hashes are {HASH_BYTES} bytes"
-                )
+            check_hash(h, f"hash {i}")
         await self.layout(namespace)
         if not hashes:
             return MatchResult(0, ())

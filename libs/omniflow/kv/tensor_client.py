@@ -71,7 +71,10 @@ class TensorClient:
             reply = await self._stub(self.agent_address).PutTensor(chunks())
         except grpc.aio.AioRpcError as exc:
             err = error_from_rpc(exc)
-            raise type(err)(f"kv agent {self.agent_address} PutTensor: {err}") from None
+            err.args = (
+                f"kv agent {self.agent_address} PutTensor: {err}",
+            )  # keeps its class (also an AioRpcError from the channel)
+            raise err from None
         return reply.ref
 
     async def get(self, ref: common_pb2.TensorRef) -> np.ndarray:
@@ -88,7 +91,10 @@ class TensorClient:
                 buf += c.data
         except grpc.aio.AioRpcError as exc:
             err = error_from_rpc(exc)
-            raise type(err)(f"tensor {ref.handle} at {ref.address}: {err}") from None
+            err.args = (
+                f"tensor {ref.handle} at {ref.address}: {err}",
+            )  # keeps its class (also an AioRpcError from the channel)
+            raise err from None
         if len(buf) != ref.size_bytes or page_checksum(buf) != ref.checksum:
             raise DataLoss(f"tensor {ref.handle} from {ref.address} failed its checksum")
         arr = np.frombuffer(bytes(buf), dtype=np.dtype(ref.dtype))

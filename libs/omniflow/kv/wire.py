@@ -6,11 +6,10 @@ The proto ``Tier`` enum reserves 0 for "unspecified" (DEVICE=1, HOST=2, SSD=3) w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from omniflow.api.common.v1 import common_pb2
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import HASH_BYTES, BlockIdentityError, KVLayout
+from omniflow.kv.blocks import check_hashes as check_hashes  # the servers' import
 from omniflow.kv.events import Tier
 
 
@@ -64,16 +63,3 @@ def parse_namespace(text: str) -> bytes:
             f"namespace must be {2 * HASH_BYTES} hex digits ({HASH_BYTES} bytes), got {text!r}"
         )
     return raw
-
-
-def check_hashes(hashes: Sequence[bytes], limit: int | None = None) -> list[bytes]:
-    """The hashes as a list, each 16 bytes, at most ``limit`` of them (InvalidArgument)."""
-    if limit is not None and len(hashes) > limit:
-        raise InvalidArgument(f"at most {limit} block hashes per request, got {len(hashes)}")
-    out = list(hashes)
-    for i, h in enumerate(out):
-        if len(h) != HASH_BYTES:
-            raise InvalidArgument(
-                f"block hash {i} has {len(h)} bytes; block hashes are {HASH_BYTES} bytes"
-            )
-    return out

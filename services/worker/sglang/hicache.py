@@ -46,7 +46,7 @@ from omniflow_services.worker.sglang.pages import (
     host_format_of,
     namespace_model_id,
 )
-from omniflow_services.worker.sglang.transport import AgentPageStore
+from omniflow.kv.blocking import AgentPageStore
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import ROOT_PARENT, KVLayout, hash_page
 from omniflow.logsetup import setup_logging
-from omniflow_services.worker.sglang.transport import AgentPageStore
+from omniflow.kv.blocking import AgentPageStore
 from omniflow_services.worker.vllm.pages import BlockFormat
 
 if TYPE_CHECKING:
@@ -78,6 +78,10 @@ MODULE_PATH = __name__
 CLASS_NAME = "OmniflowConnector"
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 RETRY_S = 5.0
+# A finished lookup answers vLLM's later asks for the same request for this long (vLLM asks
+# again when it could not allocate the request's blocks in that step).
+LOOKUP_FRESH_S = 2.0
+LOOKUP_THREADS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +215,15 @@ class OmniflowConnectorStats(KVConnectorStats):
 
 
 @dataclass(slots=True)
+class _Lookup:
+    """A lookup of one request's pages from page ``first`` on, running off the step."""
+
+    first: int
+    future: Future[int]  # how many leading pages of the ask the agents hold
+    started: float
+
+
+@dataclass(slots=True)
 class _Tracked:
     """What the scheduler side knows of one running request."""
 
@@ -272,6 +285,8 @@ class OmniflowConnector(KVConnectorBase_V1):
         self._loading: dict[str, set[int]] = {}  # async loads not reported done: their blocks
         self._no_retry: set[str] = set()  # a load of theirs failed: recompute, no new lookup
         self._held: list[str] = []
+        self._lookups: dict[str, _Lookup] = {}
+        self._lookup_pool: ThreadPoolExecutor | None = None
         # worker side
         self._caches: list[torch.Tensor] = []
         self._format: BlockFormat | None = None
@@ -327,27 +342,57 @@ class OmniflowConnector(KVConnectorBase_V1):
         prompt = request.prompt_token_ids or []
         # vLLM must compute at least the last prompt token; loads are whole blocks.
         limit = (len(prompt) - 1) // self.block_size * self.block_size
-        if limit <= num_computed_tokens or not self._ready():
+        if limit <= num_computed_tokens:
             return 0, False
         first = num_computed_tokens // self.page_size
-        hashes = self._chain(request, limit // self.page_size)[first:]
-        self.stats["lookups"] += 1
-        try:
-            have = self.store.exists(hashes)
-        except Exception as exc:  # the agent is an accelerator: recompute
-            self.stats["errors"] += 1
-            log.warning("kv-agent lookup failed (%s): recompute", exc)
-            return 0, False
+        have = self._looked_up(request, first, limit // self.page_size)
+        if have is None:  # vLLM skips the request this step and asks again on the next
+            return None, False
         reach = (num_computed_tokens + have * self.page_size) // self.block_size * self.block_size
         extra = max(0, reach - num_computed_tokens)
         if extra:
             self.stats["matched_tokens"] += extra
         return extra, bool(extra) and self.config.load_async
 
+    def _looked_up(self, request: Request, first: int, pages: int) -> int | None:
+        """Leading pages from ``first`` (up to ``pages``) that this node's agent holds or
+        can pull; None while the lookup runs. The lookup (``LocatePages`` at the agent,
+        ``MatchPrefix`` at the index) runs on a thread, so that the scheduler's step never
+        waits on the network: the first ask starts it, a later one reads its answer."""
+        rid = request.request_id
+        lk = self._lookups.get(rid)
+        if lk is not None and lk.first <= first:
+            if not lk.future.done():
+                return None
+            if time.monotonic() - lk.started <= LOOKUP_FRESH_S:
+                try:
+                    held = lk.future.result()
+                except Exception as exc:  # the agent is an accelerator: recompute
+                    self.stats["errors"] += 1
+                    log.warning("kv-agent lookup failed (%s): recompute", exc)
+                    del self._lookups[rid]
+                    return 0
+                return max(0, lk.first + held - first)
+        hashes = self._chain(request, pages)[first:]
+        if self._lookup_pool is None:
+            self._lookup_pool = ThreadPoolExecutor(
+                LOOKUP_THREADS, thread_name_prefix="omniflow-kv-lookup"
+            )
+        self._lookups[rid] = _Lookup(
+            first, self._lookup_pool.submit(self._lookup, hashes), time.monotonic()
+        )
+        self.stats["lookups"] += 1
+        return None
+
+    def _lookup(self, hashes: list[bytes]) -> int:
+        # The namespace registration also happens here, off the step.
+        return self.store.exists(hashes) if self._ready() else 0
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         rid = request.request_id
+        self._lookups.pop(rid, None)  # answered; a preempted request asks anew
         t = self._tracked.get(rid)
         if t is None:
             t = self._tracked[rid] = _Tracked(request)
@@ -419,6 +464,7 @@ class OmniflowConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._tracked.pop(rid, None)
         self._no_retry.discard(rid)
+        self._lookups.pop(rid, None)  # a running lookup ends on its own; nobody reads it
         if rid in self._loading:  # a load still writes into its blocks: free them later
             del self._loading[rid]
             self._held.append(rid)
@@ -585,6 +631,8 @@ class OmniflowConnector(KVConnectorBase_V1):
         return out
 
     def shutdown(self) -> None:
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         if self._loader is not None:
             self._loader.shutdown(wait=True, cancel_futures=True)
         if self._writer is not None:
