@@ -1,4 +1,5 @@
-"""How a worker appears in discovery: the metadata keys, and conversion to WorkerInfo.
+"""Worker roles and their operations (the one table), and how a worker appears in
+discovery: the metadata keys, and conversion to WorkerInfo.
 
 Workers register under the discovery service name ``worker`` with their role, model,
 KV namespace, node and operations in the metadata; the router and coordinator read
@@ -12,6 +13,20 @@ from dataclasses import dataclass, field
 from omniflow.discovery import ServiceInstance
 
 WORKER_SERVICE = "worker"
+
+#: The roles a worker can serve (``OMNIFLOW_WORKER_ROLE``, a topology's ``role:``).
+ROLES = ("llm", "encoder", "diffusion", "talker")
+
+#: Operations each role serves once its model is loaded (advertised in discovery).
+ROLE_OPERATIONS: dict[str, tuple[str, ...]] = {
+    "llm": ("generate",),
+    "encoder": ("encode",),
+    "diffusion": ("generate_image", "generate"),  # its backbone serves Generate too
+    "talker": ("synthesize",),
+}
+
+#: Operations a role adds through ``Invoke`` when its model can (an encoder with Whisper).
+MODEL_OPERATIONS: dict[str, tuple[str, ...]] = {"encoder": ("transcribe",)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,8 +31,7 @@ from typing import Any
 import yaml
 
 from omniflow.errors import InvalidArgument
-
-ROLES = ("llm", "encoder", "diffusion", "talker")
+from omniflow.workers import ROLES
 
 DEFAULT_TOPOLOGY = """\
 node: local

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from omniflow.errors import InvalidArgument
 from omniflow.values import VType
+from omniflow.workers import ROLES
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,7 @@ BUILTIN: dict[tuple[str, str], OpSignature] = {
     ),
 }
 
-BUILTIN_ROLES = frozenset(role for role, _ in BUILTIN)
+BUILTIN_ROLES = frozenset(ROLES)
 
 _USER: dict[tuple[str, str], OpSignature] = {}
 
