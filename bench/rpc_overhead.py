@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import statistics
 import tempfile
 import time
@@ -156,6 +157,7 @@ async def main(calls: int, block: int) -> None:
         print(f"| mutual TLS + token + policy | {name} | {a:.3f} | {b:.3f} | {a / b:.2f} |")
     p50 = statistics.median(ours) / statistics.median(ref)
     print(f"target p50 ratio <= 1.2 (TLS+auth): {'met' if p50 <= 1.2 else 'NOT met'}")
+    print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()}")
 
 
 if __name__ == "__main__":
