@@ -527,3 +527,36 @@ def test_healthcheck_follows_grpc_health(
     assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr
     unset = _probe(0)
     assert unset.returncode == 1 and "OMNIFLOW_PORT" in unset.stderr
+
+
+def test_healthcheck_speaks_mutual_tls(tmp_path: Path) -> None:
+    """The image's probe under the default compose file: mutual TLS with the service's own
+    certificate (a server that requires client certificates, as every service does)."""
+    from omniflow.cli.certs import make_bundle
+
+    server_id = Identity("router", "control", "router")
+    bundle = make_bundle(tmp_path, [server_id])
+    issued = bundle.certs[server_id.uri]
+    creds = grpc.ssl_server_credentials(
+        [(issued.key.read_bytes(), issued.cert.read_bytes())],
+        root_certificates=bundle.ca.read_bytes(),
+        require_client_auth=True,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        env = {**os.environ, "OMNIFLOW_PORT": str(port)}
+        env.update(bundle.env_for(server_id))
+        secured = subprocess.run(
+            [sys.executable, str(HEALTHCHECK), "--timeout", "5"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert secured.returncode == 0 and "SERVING" in secured.stdout, secured.stderr
+        plaintext = _probe(port)  # a probe without the certificate is refused
+        assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stderr
+    finally:
+        server.stop(None)
