@@ -14,6 +14,10 @@ RUNS = Counter(
     ["state"],
 )
 RUNS_IN_FLIGHT = Gauge("omniflow_coordinator_runs_in_flight", "Runs started and not finished")
+ROUTER_FAILOVERS = Counter(
+    "omniflow_coordinator_router_failovers_total",
+    "Calls that found their router unreachable and moved to another",
+)
 NODE_SECONDS = Histogram(
     "omniflow_coordinator_node_seconds",
     "Time of one node call attempt, from its pick to its answer, by role, operation, outcome",

@@ -16,12 +16,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import grpc
-
 from omniflow.api.router.v1 import router_pb2_grpc
 from omniflow.errors import Unavailable
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
+from omniflow_services.coordinator import metrics
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,6 @@ class RouterPool:
         self._checked = -RECHECK_S
         self._down: dict[str, float] = {}  # address -> loop time it was marked down
         self._stubs: dict[str, tuple[TracedChannel, router_pb2_grpc.RouterServiceStub]] = {}
-        self.failovers = 0
         self.stub = FailoverStub(self)
 
     async def addresses(self) -> list[str]:
@@ -77,7 +75,7 @@ class RouterPool:
     def mark_down(self, address: str) -> None:
         self._down[address] = asyncio.get_running_loop().time()
         self._checked = -RECHECK_S  # list again: a restarted router may be elsewhere
-        self.failovers += 1
+        metrics.ROUTER_FAILOVERS.inc()
 
     def _stub(self, address: str) -> router_pb2_grpc.RouterServiceStub:
         entry = self._stubs.get(address)
@@ -112,13 +110,13 @@ class FailoverStub:
                 address, stub = await pool.current()
                 try:
                     return await getattr(stub, method)(request, **kw)
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE or address in tried:
+                except Unavailable as exc:
+                    if address in tried:
                         raise
                     tried.add(address)
                     pool.mark_down(address)
                     if len(await pool.addresses()) <= len(tried):
                         raise  # no other router to try
-                    log.info("router %s unavailable (%s); failing over", address, exc.details())
+                    log.info("router %s unavailable (%s); failing over", address, exc)
 
         return call

@@ -129,7 +129,6 @@ class WorkerTable:
         self._tickets = itertools.count(1)
         self.breaker_threshold, self.breaker_cooldown_s = breaker_threshold, breaker_cooldown_s
         self.outstanding_ttl_s = outstanding_ttl_s
-        self.generation = 0
         self.counters: dict[str, int] = {}
 
     def count(self, name: str, n: int = 1) -> None:
@@ -154,7 +153,6 @@ class WorkerTable:
             fresh[w.worker_id] = live
         self._workers = fresh
         self._rings.clear()
-        self.generation += 1
 
     def list(self, role: str = "") -> list[WorkerRecord]:
         found = [v.record for v in self._workers.values() if not role or v.record.role == role]
