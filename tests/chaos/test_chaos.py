@@ -10,18 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from omniflow.localredis import LocalRedisError, find_redis_server
 from omniflow.testing.chaos import KILL_ORDER, chaos, table
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(280)
-async def test_every_single_kill_heals_without_losing_a_run(tmp_path: Path) -> None:
-    try:
-        find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
+async def test_every_single_kill_heals_without_losing_a_run(
+    tmp_path: Path, redis_binary: Path
+) -> None:
+    # redis_binary: skips, saying why, without a redis-server (chaos starts its own).
     result = await chaos(tmp_path, per_phase=8, window_s=10.0)
     phases, stuck = result.phases, result.stuck
     report = table(phases) + "\n" + "\n".join(f"{p.killed}: {n}" for p in phases for n in p.notes)

@@ -24,7 +24,6 @@ from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.client import Client
 from omniflow.dsl import VType, Workflow
 from omniflow.errors import OmniflowError
-from omniflow.localredis import LocalRedisError, find_redis_server
 from omniflow.security.local import local_client
 
 pytestmark = pytest.mark.integration
@@ -147,12 +146,10 @@ def _upper() -> Workflow:
 
 
 @pytest.mark.timeout(300)
-def test_services_keep_working_through_a_sentinel_failover(tmp_path: Path) -> None:
-    try:
-        binary = find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server (with --sentinel): {exc}")
-    redis_set = RedisSet(tmp_path / "redis", binary)
+def test_services_keep_working_through_a_sentinel_failover(
+    tmp_path: Path, redis_binary: Path
+) -> None:
+    redis_set = RedisSet(tmp_path / "redis", redis_binary)  # its --sentinel mode too
     run_dir = tmp_path / "run"
     env = {
         **os.environ,

@@ -22,7 +22,7 @@ import pytest
 from fuzzer import rss_kb
 from procs import ServiceProc
 
-from omniflow.localredis import LocalRedisError, find_redis_server, start_redis
+from omniflow.localredis import start_redis
 
 HOST_BYTES = 4 * 1024 * 1024
 MAX_INLINE = 256 * 1024  # the coordinator's inline-input bound, small so that past it is cheap
@@ -50,14 +50,12 @@ class FuzzTopology:
 
 
 @pytest.fixture(scope="package")
-def fuzz_topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzTopology]:
+def fuzz_topology(
+    tmp_path_factory: pytest.TempPathFactory, redis_binary: Path
+) -> Iterator[FuzzTopology]:
     pytest.importorskip("torch", reason="the fuzzed llm worker needs torch")
-    try:
-        binary = find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
     tmp = tmp_path_factory.mktemp("fuzz")
-    redis = start_redis(dir=tmp / "redis", binary=binary)
+    redis = start_redis(dir=tmp / "redis", binary=redis_binary)
     started: list[ServiceProc] = []
 
     def launch(module: str, name: str, **env: str) -> ServiceProc:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from procs import ServiceProc, start_service, stop_all
 
-from omniflow.localredis import LocalRedisError, find_redis_server, start_redis
+from omniflow.localredis import start_redis
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key-" + os.urandom(8).hex()
@@ -60,15 +60,11 @@ def _model_dir(models: Path) -> Path:
 
 
 @pytest.fixture(scope="package")  # one topology for every module here: it starts slowly
-def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
-    try:
-        binary = find_redis_server()
-    except LocalRedisError as exc:
-        pytest.skip(f"needs a redis-server: {exc}")
+def topology(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> Iterator[Topology]:
     tmp = tmp_path_factory.mktemp("gw")
     models = Path(os.environ.get("OMNIFLOW_MODELS_DIR", "~/.cache/omniflow/models")).expanduser()
     model_dir = _model_dir(models)
-    redis = start_redis(dir=tmp / "redis", binary=binary)
+    redis = start_redis(dir=tmp / "redis", binary=redis_binary)
     started: list[ServiceProc] = []
 
     def launch(module: str, name: str, **env: str) -> ServiceProc:

@@ -383,23 +383,6 @@ def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path) -> str:
     raise AssertionError(f"not ready:\n{log.read_text()[-3000:]}")
 
 
-def _require_agent_edge(address: str) -> None:
-    """Skip, saying so, when the kv-agent still answers its RPCs UNIMPLEMENTED."""
-    import grpc
-
-    from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            kvagent_pb2_grpc.KVAgentServiceStub(channel).Stats(
-                kvagent_pb2.StatsRequest(), timeout=10
-            )
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                pytest.skip("needs the kv-agent gRPC edge (page RPCs); this agent has none yet")
-            raise
-
-
 @pytest.fixture(scope="module")
 def data_plane(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> Iterator[DataPlane]:
     """A real kv-index and kv-agent (separate processes) on a Redis of their own."""
@@ -416,7 +399,6 @@ def data_plane(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> 
         p, ready = _spawn("kv_agent", f"kva-{tag}", tmp, agent_env)
         procs.append(p)
         agent = _wait_ready(p, ready, tmp / f"kva-{tag}.log")
-        _require_agent_edge(agent)
         yield DataPlane(index, agent)
     finally:
         for p in procs:
