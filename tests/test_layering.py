@@ -47,10 +47,12 @@ def _py_files(tree: Path) -> list[Path]:
 
 
 def test_the_walk_sees_imports_inside_functions() -> None:
-    # The checker itself: an import inside a method is found too.
-    sample = SERVICES / "router" / "kvmatch.py"
+    # The checker itself: an import inside a function is found too.
+    sample = LIBRARY / "discovery" / "__init__.py"
     found = {m for _, m in imported_modules(sample)}
-    assert "redis.asyncio" in found  # imported inside a method
+    assert "omniflow.discovery.redis_backend" in found  # imported inside make_registry
+    assert "omniflow.discovery.base" in found
+    found = {m for _, m in imported_modules(SERVICES / "router" / "server.py")}
     assert "omniflow_services.router.core" in found
 
 
@@ -62,6 +64,19 @@ def test_the_library_imports_no_service() -> None:
         if module == "omniflow_services" or module.startswith("omniflow_services.")
     ]
     assert not bad, "the library must not import a service:\n" + "\n".join(bad)
+
+
+def test_the_library_imports_nothing_of_the_tests() -> None:
+    # Test fixtures live under tests/ (procs, conftest...); omniflow.testing holds only
+    # what a user runs too (the echo worker, the chaos harness), built on the library.
+    test_modules = {p.stem for p in (ROOT / "tests").rglob("*.py")} | {"tests"}
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _py_files(LIBRARY)
+        for line, module in imported_modules(path)
+        if module.split(".")[0] in test_modules
+    ]
+    assert not bad, "the library must not import test code:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("service", SERVICE_NAMES)
