@@ -41,6 +41,12 @@ def setting(
     return field(default=default, metadata=meta)
 
 
+def peer_address(env: str, peer: str) -> Any:
+    """Declare the address of a peer service (``host:port``). Empty, the default, means it
+    is found through discovery (``omniflow.discovery.find_address(configured=...)``)."""
+    return setting(env, "", f"{peer}; empty: found through discovery")
+
+
 def _convert(raw: str, typ: Any, env: str) -> Any:
     origin = get_origin(typ)
     if origin in (types.UnionType,) or (origin is not None and type(None) in get_args(typ)):

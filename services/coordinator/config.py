@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omniflow.config import CommonSettings, setting
+from omniflow.config import CommonSettings, peer_address, setting
 
 
 @dataclass(frozen=True, slots=True)
 class CoordinatorSettings(CommonSettings):
     """Settings of the coordinator (plus the common ones; run records go to OMNIFLOW_REDIS_URL)."""
 
-    router_addr: str = setting(
-        "OMNIFLOW_ROUTER_ADDR", "", "router address; empty: found through discovery"
-    )
+    router_addr: str = peer_address("OMNIFLOW_ROUTER_ADDR", "router address")
     max_runs: int = setting(
         "OMNIFLOW_COORDINATOR_MAX_RUNS", 256, "runs in progress at once", minimum=1
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omniflow.config import CommonSettings, setting
+from omniflow.config import CommonSettings, peer_address, setting
 from omniflow.errors import InvalidArgument
 from omniflow_services.router.core import STRATEGIES
 
@@ -40,9 +40,7 @@ class RouterSettings(CommonSettings):
         "directly, or off (load only)",
         choices=("grpc", "redis", "off"),
     )
-    kv_index_addr: str = setting(
-        "OMNIFLOW_KV_INDEX_ADDR", "", "kv-index address; empty: found through discovery"
-    )
+    kv_index_addr: str = peer_address("OMNIFLOW_KV_INDEX_ADDR", "kv-index address")
     kv_index_timeout_s: float = setting(
         "OMNIFLOW_ROUTER_KV_INDEX_TIMEOUT_S",
         0.05,
