@@ -122,9 +122,10 @@ class WorkflowAPI:
         answer = answer_output(info)
         audio_out = audio_output(info) if fmt else None
         if fmt and audio_out is None:
-            raise InvalidArgument(
-                f"modalities: workflow {name!r} has no audio output (named audio, or an "
-                "output of a talker node); ask for text only"
+            raise bad_request(
+                f"workflow {name!r} has no audio output (named audio, or an output of a "
+                'talker node): ask for modalities ["text"]',
+                "modalities",
             )
         return _Turn(
             name,

@@ -49,6 +49,22 @@ def _voice() -> Workflow:
     return wf
 
 
+def _chatty() -> Workflow:
+    """The talker speaks each phrase as soon as the llm has written it."""
+    wf = Workflow("gw-chatty", description="speak while writing")
+    answer = wf.call(
+        "answer",
+        "llm",
+        "generate",
+        prompt=wf.input("text", VType.TEXT),
+        params={"chat": True, "max_tokens": 60, "temperature": 0.0},
+    )
+    speak = wf.call("speak", "talker", "synthesize", text=answer["text"].stream(phrase_chars=60))
+    wf.output("text", answer["text"])
+    wf.output("audio", speak["wav"])
+    return wf
+
+
 def _hear() -> Workflow:
     wf = Workflow("gw-hear", description="what was said")
     heard = wf.call("asr", "encoder", "transcribe", audio=wf.input("audio", VType.BYTES))
@@ -89,7 +105,8 @@ def _register(topology: Any, workflows: list[Workflow]) -> None:
 
 @pytest.fixture(scope="module")
 def client(topology: Any) -> openai.OpenAI:
-    _register(topology, [_voice(), _draw()] + ([_hear()] if topology.has_audio else []))
+    flows = [_voice(), _chatty(), _draw()] + ([_hear()] if topology.has_audio else [])
+    _register(topology, flows)
     return openai.OpenAI(base_url=topology.base_url, api_key=topology.api_key, max_retries=0)
 
 
@@ -199,6 +216,32 @@ def test_spoken_answer_streamed(client: openai.OpenAI, topology: Any) -> None:
         assert wer(transcript, _heard(client, _wav_of_pcm16(pcm))) <= 0.35
 
 
+def test_audio_streams_while_the_answer_is_written(client: openai.OpenAI, topology: Any) -> None:
+    import httpx
+
+    def first_audio_count() -> float:
+        text = httpx.get(topology.gateway_url + "/metrics").text
+        line = 'omniflow_gateway_time_to_first_audio_seconds_count{route="chat"}'
+        return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+    before = first_audio_count()
+    stream = client.chat.completions.create(
+        model="workflow:gw-chatty",
+        messages=[{"role": "user", "content": "Tell me three short facts about cats."}],
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        stream=True,
+    )
+    kinds = []
+    for c in stream:
+        a = c.choices[0].delta.audio if c.choices else None
+        if a is not None and (a.data or a.transcript):
+            kinds.append("audio" if a.data else "text")
+    # Speech of the first phrases arrives before the llm has written its last words.
+    assert "audio" in kinds and kinds.index("audio") < len(kinds) - 1 - kinds[::-1].index("text")
+    assert first_audio_count() == before + 1
+
+
 def test_spoken_answer_errors_name_the_param(client: openai.OpenAI, topology: Any) -> None:
     def bad(**kw: Any) -> openai.BadRequestError:
         with pytest.raises(openai.BadRequestError) as err:
@@ -215,7 +258,7 @@ def test_spoken_answer_errors_name_the_param(client: openai.OpenAI, topology: An
     err = bad(model="workflow:gw-voice", audio={"voice": "alloy", "format": "wav"})
     assert err.body["param"] == "modalities"
     err = bad(model="workflow:gw-draw", modalities=["text", "audio"], audio=AUDIO_WAV)
-    assert "no audio output" in err.body["message"]
+    assert err.body["param"] == "modalities" and "no audio output" in err.body["message"]
     err = bad(model=topology.model, modalities=["text", "audio"], audio=AUDIO_WAV)
     assert err.body["param"] == "modalities" and "workflow" in err.body["message"]
 
@@ -319,8 +362,9 @@ def test_omni_chat_spoken_dialogue(client: openai.OpenAI, topology: Any) -> None
     transcript = "".join(a.transcript or "" for a in audios)
     pcm = b"".join(base64.b64decode(a.data) for a in audios if a.data)
     assert transcript and len(_pcm16(pcm)) > PCM16_RATE // 2
-    # The spoken answer says what its transcript says (heard back by Whisper).
-    assert wer(transcript, _heard(client, _wav_of_pcm16(pcm))) <= 0.35
+    # The spoken answer says what its transcript says (heard back by Whisper; the answer
+    # may hold names English Whisper tiny does not know, hence the margin).
+    assert wer(transcript, _heard(client, _wav_of_pcm16(pcm))) <= 0.4
     first = chunks[-1].usage
     assert first is not None and first.prompt_tokens > 0
 
