@@ -284,3 +284,38 @@ def test_gateway_api_keys_are_tenants(tmp_path: Path) -> None:
         p for p in pids if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/cmdline").read_bytes()
     ]
     assert not left, "processes left behind"
+
+
+@pytest.mark.usefixtures("redis_binary")
+def test_up_insecure_is_plaintext_and_says_so(tmp_path: Path) -> None:
+    """`omniflow up --insecure` (development): plaintext, no tokens, no API keys."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMNIFLOW_RUN_DIR": str(run_dir), "OMNIFLOW_GATEWAY_PORT": "0",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    for var in _SECURITY_VARS:
+        env.pop(var, None)
+    topology = tmp_path / "topology.yaml"
+    topology.write_text("node: plain\nworkers:\n  - {role: llm, count: 1, program: echo}\n")
+    pids: list[int] = []
+    try:
+        up = _run(["up", "--insecure", "--topology", str(topology)], env)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "PLAINTEXT" in up.stdout and "development only" in up.stdout
+        procs = _procs(run_dir)
+        pids = [p["pid"] for p in procs.values()]
+        assert not (run_dir / "pki" / "client.json").exists()
+        assert all("OMNIFLOW_TLS" not in p["env"] for p in procs.values())
+        plain = Security.load(SecuritySettings())
+        assert asyncio.run(check_health(procs["coordinator"]["address"], security=plain)) == (
+            "SERVING"
+        )
+        models = httpx.get(f"{procs['gateway']['address']}/v1/models", timeout=30)
+        assert models.status_code == 200, models.text  # no key asked for
+        assert _run(["status"], env).returncode == 0
+    finally:
+        down = _run(["down"], env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    left = [
+        p for p in pids if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
+    assert not left, "processes left behind"
