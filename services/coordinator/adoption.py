@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -14,6 +13,7 @@ from omniflow import telemetry
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.errors import OmniflowError
 from omniflow_services.coordinator import metrics
+from omniflow_services.coordinator.live import LiveRun, now_ms
 
 if TYPE_CHECKING:
     from omniflow_services.coordinator.runs import RunManager
@@ -41,10 +41,6 @@ def lease_key(owner: str) -> str:
 
 def run_key(run_id: str) -> str:
     return f"omniflow:run:{run_id}"
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 async def recover(m: RunManager, confirm: bool = False) -> int:
@@ -106,8 +102,6 @@ async def _resume(m: RunManager, run_id: str, owner: str) -> bool:
         log.warning("run %s cannot be resumed: %s", run_id, exc)
         return False
     stored = await m.redis.lrange(f"{key}:events", 0, -1)
-    from omniflow_services.coordinator.runs import LiveRun  # runs imports this module
-
     del run.nodes[:]
     live = LiveRun(run)
     for raw in stored:

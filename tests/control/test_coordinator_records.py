@@ -17,7 +17,8 @@ from omniflow.client import Client
 from omniflow.dsl import VType, Workflow, register_operation
 from omniflow.localredis import RedisProcess
 from omniflow.rpc.client import open_channel
-from omniflow_services.coordinator.runs import LiveRun, RunManager
+from omniflow_services.coordinator.live import LiveRun
+from omniflow_services.coordinator.runs import RunManager
 
 pytestmark = pytest.mark.integration
 
