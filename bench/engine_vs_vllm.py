@@ -11,6 +11,9 @@ driving ``LLM.generate`` with the same token ids; the engine and transformers ru
     python bench/engine_vs_vllm.py --busy 1                    # a second process spins a core
     python bench/engine_vs_vllm.py --baseline cdd3cb8          # also the engine as of a commit
 
+With fewer ``--threads`` than cores, every system is bound to the same first cores (vLLM
+through ``VLLM_CPU_OMP_THREADS_BIND``, the others by CPU affinity), and ``--busy N`` spins N
+processes on those same cores, one each: every system shares its cores with them alike.
 Every system runs in a fresh process of its own on the same prompts; ``--baseline REF``
 adds the engine package as it was at git ``REF`` (exported into a temporary folder that
 shadows the installed one): before/after in the same run.
@@ -66,6 +69,9 @@ print("RESULT " + json.dumps(res), flush=True)
 SYSTEM_SCRIPT = r"""
 import json, sys, time, torch
 job = json.loads(sys.argv[1])
+if job["cores"]:  # the cores vLLM's threads are bound to
+    import os
+    os.sched_setaffinity(0, job["cores"])
 torch.set_num_threads(job["threads"])
 lv, n_out = job["levels"], job["output_len"]
 prompts = job["prompts"]
@@ -165,6 +171,7 @@ def run_system(
             "repeat": args.repeat,
             "budget": args.token_budget,
             "threads": args.threads,
+            "cores": bound_cores(args.threads),
             "root": str(pkg),
         }
         proc = subprocess.run(
@@ -197,9 +204,9 @@ def run_vllm(
     }
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    # vLLM binds one OpenMP thread per listed core: give it as many as our engine gets.
-    cores = os.cpu_count() or 1
-    bind = "auto" if args.threads >= cores else f"0-{args.threads - 1}"
+    # vLLM binds one OpenMP thread per listed core: the cores our engine is bound to.
+    cores = bound_cores(args.threads)
+    bind = ",".join(map(str, cores)) if cores else "auto"
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     proc = subprocess.run(
@@ -212,7 +219,16 @@ def run_vllm(
     return _result(proc, "vLLM")
 
 
-def _spin() -> None:
+def bound_cores(threads: int) -> list[int]:
+    """The cores every system runs on with ``threads`` threads: the first ``threads`` of
+    this process's cores, or [] (unbound, vLLM's "auto") when it uses them all."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[:threads] if threads < len(cores) else []
+
+
+def _spin(core: int) -> None:
+    """Busy on ``core``: one of the cores the measured systems run on."""
+    os.sched_setaffinity(0, {core})
     while True:
         pass
 
@@ -240,7 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     levels = [int(x) for x in args.concurrency.split(",") if x]
     dtypes = [d for d in args.dtypes.split(",") if d]
-    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
+    # The spinners sit on the measured cores (the first ones), one core each.
+    targets = bound_cores(args.threads) or sorted(os.sched_getaffinity(0))
+    spinners = [
+        multiprocessing.Process(target=_spin, args=(targets[i % len(targets)],), daemon=True)
+        for i in range(args.busy)
+    ]
     for s in spinners:
         s.start()
     load0 = os.getloadavg()

@@ -4,8 +4,10 @@ in both; plus what the gateway adds over calling the worker's gRPC Generate dire
 
     python bench/serve_openai.py                       # everything (a few minutes)
     python bench/serve_openai.py --concurrency 1,4 --skip-vllm
+    python bench/serve_openai.py --parts cross --engine vllm   # two workers, vLLM engine
 
-It starts and stops everything itself, by PID: for Omni-Flow a private Redis, kv-index,
+The servers are started by ``serve_stack.py``, this module generates the load and prints
+the table. It starts and stops everything itself, by PID: for Omni-Flow a private Redis, kv-index,
 kv-agent, router (llm=kv_aware), one llm worker and the gateway; then vLLM's
 `vllm.entrypoints.openai.api_server` from its own virtualenv (``--vllm-python``) with
 ``VLLM_CPU_KVCACHE_SPACE=2``. The two servers run one after the other, each with every
@@ -15,6 +17,13 @@ core. Workloads (streamed chat, ``stream_options.include_usage``, greedy):
   questions, ``--max-tokens`` each: TTFT p50/p99, ITL p50, output tokens/s;
 * multi-turn chat: ``--conversations`` concurrent conversations of ``--turns`` turns, each
   turn sending the whole history: TTFT p50 of the later turns and their cached share;
+* multi-turn across two workers (``cross``): the same conversations, turn ``t`` on worker
+  ``t % 2``. Omni-Flow runs two nodes (a kv-agent and an llm worker each, one kv-index;
+  the gateway reaches each worker by a model name of its own, over the same weights), so
+  every later turn's prefix must come from the other worker's pages through the agents.
+  vLLM's baseline is two of its OpenAI servers with the turns alternating between them
+  (round robin): its prefix cache cannot cross servers, so the later turns recompute.
+  Each worker or server gets ``--cross-threads`` threads (default half the cores);
 * gateway overhead: the same 1-token chat through the gateway (raw HTTP, no SDK) and as
   token ids straight to the worker's ``Generate``, interleaved: the median paired
   difference of time to first token, with the router's Pick and the template+tokenize
@@ -30,26 +39,29 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 from openai import AsyncOpenAI
+from serve_stack import (
+    MODEL,
+    Omniflow,
+    Procs,
+    load_avg,
+    start_echo,
+    start_omniflow,
+    start_vllm,
+)
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.chat import Preprocessor
-from omniflow.localredis import start_redis
 from omniflow.rpc.client import open_channel
 
-MODEL = "smollm2-135m-instruct"
 DEFAULT_VLLM = Path.home() / ".cache/omniflow/venvs/vllm/bin/python"
 QUESTIONS = [
     "What is the capital of France?",
@@ -83,190 +95,6 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def load_avg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# ------------------------------------------------------------------ processes
-
-
-class Procs:
-    """Processes started by the bench, ended by PID (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, folder: Path) -> None:
-        self.dir = folder
-        self.started: list[subprocess.Popen[bytes]] = []
-
-    def spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        with open(self.dir / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen(
-                argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-        self.started.append(proc)
-        return proc
-
-    def service(
-        self,
-        module: str,
-        name: str,
-        env: dict[str, str],
-        timeout_s: float = 300,
-        python: str = sys.executable,
-    ) -> dict:
-        ready = self.dir / f"{name}.ready"
-        full = {
-            **os.environ,
-            "OMNIFLOW_PORT": "0",
-            "OMNIFLOW_METRICS_PORT": "-1",
-            "OMNIFLOW_READY_FILE": str(ready),
-            "OMNIFLOW_INSTANCE_ID": name,
-            "OMNIFLOW_LOG_LEVEL": "WARNING",
-            "OMNIFLOW_NODE_ID": "bench",
-            **env,
-        }
-        proc = self.spawn([python, "-m", module], name, full)
-        end = time.monotonic() + timeout_s
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"{name} did not start; see {self.dir / (name + '.log')}")
-            time.sleep(0.05)
-        return json.loads(ready.read_text())
-
-    def stop(self) -> None:
-        for p in reversed(self.started):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in reversed(self.started):
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.started.clear()
-
-
-@dataclass
-class Omniflow:
-    url: str
-    worker: str
-    router: str
-    namespace: str
-    base: dict[str, str]
-
-
-def start_omniflow(
-    procs: Procs, folder: Path, threads: int, engine: str = "torch", vllm_python: Path | None = None
-) -> tuple[Omniflow, object]:
-    """The topology behind the gateway; ``engine`` "vllm" hosts vLLM's engine in the worker
-    (run from vLLM's own virtualenv, as ``OMNIFLOW_WORKER_PYTHON`` does in ``omniflow up``)."""
-    redis = start_redis(dir=procs.dir / "redis")
-    base = {"OMNIFLOW_REDIS_URL": redis.url, "OMNIFLOW_DISCOVERY": "redis"}
-    index = procs.service("omniflow_services.kv_index", "kv-index", base)["address"]
-    agent = procs.service(
-        "omniflow_services.kv_agent",
-        "kv-agent",
-        {
-            **base,
-            "OMNIFLOW_KV_INDEX_ADDR": index,
-            "OMNIFLOW_KV_HOST_BYTES": str(256 * 1024 * 1024),
-            "OMNIFLOW_KV_SSD_PATH": str(procs.dir / "ssd.bin"),
-            "OMNIFLOW_KV_SSD_BYTES": str(64 * 1024 * 1024),
-        },
-    )["address"]
-    router = procs.service(
-        "omniflow_services.router",
-        "router",
-        {
-            **base,
-            "OMNIFLOW_ROUTER_ROLE_STRATEGIES": "llm=kv_aware",
-            "OMNIFLOW_KV_INDEX_ADDR": index,
-        },
-    )["address"]
-    worker_env = {
-        **base,
-        "OMNIFLOW_WORKER_ROLE": "llm",
-        "OMNIFLOW_WORKER_MODEL": str(folder),
-        "OMNIFLOW_WORKER_DTYPE": "bfloat16",
-        "OMNIFLOW_KV_AGENT_ADDR": agent,
-        "OMNIFLOW_WORKER_TORCH_THREADS": str(threads),
-        "OMP_NUM_THREADS": str(threads),
-    }
-    python = sys.executable
-    if engine == "vllm":
-        if vllm_python is None or not vllm_python.exists():
-            raise RuntimeError(f"--engine vllm needs vLLM's venv ({vllm_python}): run "
-                               "scripts/setup_vllm_venv.sh")  # fmt: skip
-        python = str(vllm_python)
-        worker_env |= {"OMNIFLOW_WORKER_ENGINE": "vllm", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    worker = procs.service(
-        "omniflow_services.worker", "llm-1", worker_env, timeout_s=900, python=python
-    )
-    # The echo worker's model ("echo") resolves to SmolLM2's folder in the gateway.
-    models = procs.dir / "models"
-    models.mkdir()
-    (models / "echo").symlink_to(folder)
-    gw = procs.service(
-        "omniflow_services.gateway",
-        "gateway",
-        {
-            **base,
-            "OMNIFLOW_GATEWAY_PORT": "0",
-            "OMNIFLOW_ROUTER_ADDR": router,
-            "OMNIFLOW_MODELS_DIR": str(models),
-        },
-    )
-    ns = worker["metadata"]["kv_namespace"]
-    return Omniflow(gw["url"], worker["address"], router, ns, base), redis
-
-
-def start_echo(procs: Procs, of: Omniflow) -> Omniflow:
-    """An echo TEST worker (answers at once) on the same topology, for the overhead."""
-    echo = procs.service(
-        "omniflow.testing.echo_worker",
-        "echo-1",
-        {**of.base, "OMNIFLOW_WORKER_ROLE": "llm", "OMNIFLOW_ECHO_TOKEN_DELAY_MS": "0"},
-    )
-    time.sleep(1.5)  # the gateway's and router's discovery listings see it
-    ns = echo["metadata"]["kv_namespace"]
-    return Omniflow(of.url, echo["address"], of.router, ns, of.base)
-
-
-def start_vllm(procs: Procs, folder: Path, python: Path, threads: int) -> str:
-    port = free_port()
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-        "OMP_NUM_THREADS": str(threads),
-    }
-    argv = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(folder), "--served-model-name", MODEL, "--dtype", "bfloat16",
-        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-        "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--uvicorn-log-level", "warning",
-    ]  # fmt: skip
-    proc = procs.spawn(argv, "vllm", env)
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 900
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited; see {procs.dir / 'vllm.log'}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"vLLM not up after 900 s; see {procs.dir / 'vllm.log'}")
-
-
 # ------------------------------------------------------------------ load generator
 
 
@@ -280,13 +108,15 @@ class Sample:
     text: str = ""
 
 
-async def one_chat(client: AsyncOpenAI, messages: list[dict], max_tokens: int) -> Sample:
+async def one_chat(
+    client: AsyncOpenAI, messages: list[dict], max_tokens: int, model: str = MODEL
+) -> Sample:
     s = Sample()
     start = time.perf_counter()
     last = None
     parts = []
     stream = await client.chat.completions.create(
-        model=MODEL,
+        model=model,
         messages=messages,
         max_tokens=max_tokens,
         temperature=0,
@@ -334,8 +164,16 @@ async def load_level(url: str, conc: int, max_tokens: int, offset: int) -> dict[
     }
 
 
-async def multi_turn(url: str, conversations: int, turns: int, max_tokens: int) -> dict[str, float]:
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600)
+async def multi_turn(
+    endpoints: list[tuple[str, str]], conversations: int, turns: int, max_tokens: int
+) -> dict[str, float]:
+    """Conversations of ``turns`` turns, each sending the whole history; turn ``t`` goes
+    to ``endpoints[t % len(endpoints)]`` (server URL, model name): with two endpoints on
+    two workers, every later turn lands on the worker that did not compute its prefix."""
+    clients = [
+        (AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600), model)
+        for url, model in endpoints
+    ]
     later: list[Sample] = []
 
     async def conversation(c: int) -> None:
@@ -344,7 +182,8 @@ async def multi_turn(url: str, conversations: int, turns: int, max_tokens: int) 
             {"role": "user", "content": QUESTIONS[c % len(QUESTIONS)]},
         ]
         for t in range(turns):
-            s = await one_chat(client, history, max_tokens)
+            client, model = clients[t % len(clients)]
+            s = await one_chat(client, history, max_tokens, model)
             if t:
                 later.append(s)
             history += [
@@ -355,7 +194,8 @@ async def multi_turn(url: str, conversations: int, turns: int, max_tokens: int) 
     start = time.perf_counter()
     await asyncio.gather(*(conversation(c) for c in range(conversations)))
     wall = time.perf_counter() - start
-    await client.close()
+    for client, _ in clients:
+        await client.close()
     prompt = sum(s.prompt for s in later)
     return {
         "ttft_p50": pct([s.ttft for s in later], 0.5) * 1e3,
@@ -489,11 +329,29 @@ async def workloads(url: str, args: argparse.Namespace) -> dict[str, dict[str, f
         await one_chat(client, [{"role": "user", "content": q}], 4)
     await client.close()
     out: dict[str, dict[str, float]] = {}
-    for i, conc in enumerate(args.concurrency):
+    for i, conc in enumerate(args.concurrency if "load" in args.parts else ()):
         out[f"c{conc}"] = await load_level(url, conc, args.max_tokens, offset=7 * i)
         print(f"  concurrency {conc}: {out[f'c{conc}']}  (load {load_avg()})", flush=True)
-    out["chat"] = await multi_turn(url, args.conversations, args.turns, args.chat_max_tokens)
-    print(f"  multi-turn: {out['chat']}  (load {load_avg()})", flush=True)
+    if "chat" in args.parts:
+        out["chat"] = await multi_turn(
+            [(url, MODEL)], args.conversations, args.turns, args.chat_max_tokens
+        )
+        print(f"  multi-turn: {out['chat']}  (load {load_avg()})", flush=True)
+    return out
+
+
+async def cross_workload(
+    endpoints: list[tuple[str, str]], args: argparse.Namespace
+) -> dict[str, dict[str, float]]:
+    """The multi-turn chat alternating between two workers (after a warm-up on each)."""
+    for url, model in endpoints:
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600)
+        await one_chat(client, [{"role": "user", "content": QUESTIONS[-1]}], 4, model)
+        await client.close()
+    out = {
+        "cross": await multi_turn(endpoints, args.conversations, args.turns, args.chat_max_tokens)
+    }
+    print(f"  multi-turn across two workers: {out['cross']}  (load {load_avg()})", flush=True)
     return out
 
 
@@ -514,15 +372,17 @@ def table(ours: dict, ref: dict, over: dict | None, loads: list[str], args) -> s
             )
         )
 
-    for conc in args.concurrency:
+    for conc in args.concurrency if "load" in args.parts else ():
         w = f"c{conc}"
         add(w, "TTFT p50 ms", "ttft_p50")
         add(w, "TTFT p99 ms", "ttft_p99")
         add(w, "ITL p50 ms", "itl_p50")
         add(w, "output tok/s", "tok_s")
-    add("chat", "later-turn TTFT p50 ms", "ttft_p50")
-    add("chat", "later-turn cached %", "cached_pct")
-    add("chat", "wall s", "wall_s")
+    for work, what in (("chat", ""), ("cross", "2 workers: ")):
+        if work in args.parts:
+            add(work, f"{what}later-turn TTFT p50 ms", "ttft_p50")
+            add(work, f"{what}later-turn cached %", "cached_pct")
+            add(work, f"{what}wall s", "wall_s")
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     if over:
@@ -538,8 +398,20 @@ def table(ours: dict, ref: dict, over: dict | None, loads: list[str], args) -> s
             f"template+tokenize+hashes p50 {over['tokenize_p50']:.2f} ms, an HTTP round trip "
             f"(GET /health) p50 {over['health_p50']:.2f} ms",
         ]
+    if "cross" in args.parts:
+        lines += [
+            "",
+            f"2 workers: turn t of each conversation on worker t % 2, {args.cross_threads} "
+            "thread(s) each. Omni-Flow: two nodes (a kv-agent and an llm worker each, one "
+            "kv-index), the gateway told the worker by model name; vLLM: two OpenAI servers "
+            "with prefix caching, the turns alternating between them (round robin), whose "
+            "prefix caches cannot reach each other.",
+        ]
     lines += ["", f"load average (1/5/15 min): {' | '.join(loads)}"]
     return "\n".join(lines)
+
+
+PARTS = ("load", "chat", "overhead", "cross")
 
 
 def main() -> int:
@@ -553,6 +425,18 @@ def main() -> int:
     ap.add_argument("--chat-max-tokens", type=int, default=24)
     ap.add_argument("--overhead-samples", type=int, default=40)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--cross-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 1) // 2),
+        help="threads of each of the two workers (or vLLM servers) of the cross part",
+    )
+    ap.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        type=lambda s: [x for x in s.split(",") if x],
+        help=f"which workloads, of {','.join(PARTS)}",
+    )
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument(
@@ -564,10 +448,14 @@ def main() -> int:
     ap.add_argument("--skip-omniflow", action="store_true", help="vLLM only")
     ap.add_argument("--models-dir", type=Path, default=Path("~/.cache/omniflow/models"))
     args = ap.parse_args()
+    unknown = set(args.parts) - set(PARTS)
+    if unknown:
+        ap.error(f"--parts: unknown {sorted(unknown)}; accepted: {','.join(PARTS)}")
 
     from omniflow.models.resolve import resolve_model
 
     folder = resolve_model(MODEL, args.models_dir.expanduser())
+    single = bool({"load", "chat", "overhead"} & set(args.parts))
     loads = [f"start {load_avg()}"]
     ours: dict = {}
     ref: dict = {}
@@ -575,32 +463,56 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="omniflow-serve-bench-"))
     procs = Procs(tmp)
     redis = None
+
+    def stop() -> None:
+        nonlocal redis
+        procs.stop()
+        if redis is not None:
+            redis.stop()  # type: ignore[attr-defined]
+            redis = None
+
     try:
-        if not args.skip_omniflow:
+        if not args.skip_omniflow and single:
             print(
                 f"Omni-Flow gateway ({folder}, bfloat16, {args.threads} threads, "
                 f"engine {args.engine}) ..."
             )
             of, redis = start_omniflow(procs, folder, args.threads, args.engine, args.vllm_python)
             ours = asyncio.run(workloads(of.url, args))
-            over = asyncio.run(overhead(start_echo(procs, of), folder, args.overhead_samples))
-            print(f"  overhead: {over}", flush=True)
+            if "overhead" in args.parts:
+                over = asyncio.run(overhead(start_echo(procs, of), folder, args.overhead_samples))
+                print(f"  overhead: {over}", flush=True)
             loads.append(f"after omni-flow {load_avg()}")
-            procs.stop()
-            redis.stop()  # type: ignore[attr-defined]
-            redis = None
+            stop()
+        if not args.skip_omniflow and "cross" in args.parts:
+            print(f"Omni-Flow, two nodes (engine {args.engine}, {args.cross_threads} threads each)")
+            nodes = ("node-a", "node-b")
+            of, redis = start_omniflow(
+                procs, folder, args.cross_threads, args.engine, args.vllm_python, nodes
+            )
+            ours |= asyncio.run(cross_workload([(of.url, of.models[n]) for n in nodes], args))
+            loads.append(f"after omni-flow 2 workers {load_avg()}")
+            stop()
         if not args.skip_vllm:
             if not args.vllm_python.exists():
                 print(f"no vLLM at {args.vllm_python}: skipped (scripts/setup_vllm_venv.sh)")
             else:
-                print("vLLM OpenAI server ...", flush=True)
-                url = start_vllm(procs, folder, args.vllm_python, args.threads)
-                ref = asyncio.run(workloads(url, args))
-                loads.append(f"after vLLM {load_avg()}")
+                if single:
+                    print("vLLM OpenAI server ...", flush=True)
+                    url = start_vllm(procs, folder, args.vllm_python, args.threads)
+                    ref = asyncio.run(workloads(url, args))
+                    loads.append(f"after vLLM {load_avg()}")
+                    stop()
+                if "cross" in args.parts:
+                    print("two vLLM OpenAI servers, round robin ...", flush=True)
+                    urls = [
+                        start_vllm(procs, folder, args.vllm_python, args.cross_threads, name)
+                        for name in ("vllm-a", "vllm-b")
+                    ]
+                    ref |= asyncio.run(cross_workload([(u, MODEL) for u in urls], args))
+                    loads.append(f"after vLLM 2 servers {load_avg()}")
     finally:
-        procs.stop()
-        if redis is not None:
-            redis.stop()  # type: ignore[attr-defined]
+        stop()
     print()
     print(table(ours, ref, over, loads, args))
     print(f"\nlogs: {tmp}")

@@ -1,0 +1,240 @@
+"""The servers ``serve_openai.py`` measures, started and stopped by PID: the Omni-Flow
+topology behind its gateway (one node, or several nodes with a kv-agent and an llm worker
+each, sharing one kv-index), the echo TEST worker, and vLLM's own OpenAI servers.
+
+Used by ``bench/serve_openai.py`` (the load generator); nothing here measures anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from omniflow.localredis import start_redis
+
+MODEL = "smollm2-135m-instruct"
+
+
+def load_avg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Procs:
+    """Processes started by the bench, ended by PID (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.dir = folder
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with open(self.dir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        self.started.append(proc)
+        return proc
+
+    def service(
+        self,
+        module: str,
+        name: str,
+        env: dict[str, str],
+        timeout_s: float = 300,
+        python: str = sys.executable,
+    ) -> dict:
+        ready = self.dir / f"{name}.ready"
+        full = {
+            **os.environ,
+            "OMNIFLOW_PORT": "0",
+            "OMNIFLOW_METRICS_PORT": "-1",
+            "OMNIFLOW_READY_FILE": str(ready),
+            "OMNIFLOW_INSTANCE_ID": name,
+            "OMNIFLOW_LOG_LEVEL": "WARNING",
+            "OMNIFLOW_NODE_ID": "bench",
+            **env,
+        }
+        proc = self.spawn([python, "-m", module], name, full)
+        end = time.monotonic() + timeout_s
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"{name} did not start; see {self.dir / (name + '.log')}")
+            time.sleep(0.05)
+        return json.loads(ready.read_text())
+
+    def stop(self) -> None:
+        for p in reversed(self.started):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in reversed(self.started):
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.started.clear()
+
+
+@dataclass
+class Omniflow:
+    url: str
+    worker: str  # the first worker's gRPC address
+    router: str
+    namespace: str
+    base: dict[str, str]
+    # The model name each node's worker serves (one node: the model's own name).
+    models: dict[str, str] = field(default_factory=dict)
+
+
+def start_omniflow(
+    procs: Procs,
+    folder: Path,
+    threads: int,
+    engine: str = "torch",
+    vllm_python: Path | None = None,
+    nodes: tuple[str, ...] = ("bench",),
+) -> tuple[Omniflow, object]:
+    """The topology behind the gateway; ``engine`` "vllm" hosts vLLM's engine in the worker
+    (run from vLLM's own virtualenv, as ``OMNIFLOW_WORKER_PYTHON`` does in ``omniflow up``).
+
+    With several ``nodes``, each node gets a kv-agent and one llm worker (``threads`` torch
+    threads each) serving the model under a name of its own, ``<model>-<node>`` (a symlink
+    to the same folder: same weights, same KV namespace), so that a client chooses the
+    node of each request by the model it names while the KV cache stays shared."""
+    redis = start_redis(dir=procs.dir / "redis")
+    base = {"OMNIFLOW_REDIS_URL": redis.url, "OMNIFLOW_DISCOVERY": "redis"}
+    index = procs.service("omniflow_services.kv_index", "kv-index", base)["address"]
+    router = procs.service(
+        "omniflow_services.router",
+        "router",
+        {
+            **base,
+            "OMNIFLOW_ROUTER_ROLE_STRATEGIES": "llm=kv_aware",
+            "OMNIFLOW_KV_INDEX_ADDR": index,
+        },
+    )["address"]
+    models_dir = procs.dir / "models"
+    models_dir.mkdir(exist_ok=True)
+    python = sys.executable
+    extra: dict[str, str] = {}
+    if engine == "vllm":
+        if vllm_python is None or not vllm_python.exists():
+            raise RuntimeError(f"--engine vllm needs vLLM's venv ({vllm_python}): run "
+                               "scripts/setup_vllm_venv.sh")  # fmt: skip
+        python = str(vllm_python)
+        extra = {"OMNIFLOW_WORKER_ENGINE": "vllm", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    workers: list[dict] = []
+    models: dict[str, str] = {}
+    for node in nodes:
+        suffix = "" if len(nodes) == 1 else f"-{node}"
+        agent = procs.service(
+            "omniflow_services.kv_agent",
+            f"kv-agent{suffix}",
+            {
+                **base,
+                "OMNIFLOW_NODE_ID": node,
+                "OMNIFLOW_KV_INDEX_ADDR": index,
+                "OMNIFLOW_KV_HOST_BYTES": str(256 * 1024 * 1024),
+                "OMNIFLOW_KV_SSD_PATH": str(procs.dir / f"ssd{suffix}.bin"),
+                "OMNIFLOW_KV_SSD_BYTES": str(64 * 1024 * 1024),
+            },
+        )["address"]
+        model = folder
+        if suffix:
+            model = models_dir / f"{MODEL}{suffix}"
+            model.symlink_to(folder)
+        models[node] = model.name if suffix else MODEL
+        worker_env = {
+            **base,
+            **extra,
+            "OMNIFLOW_NODE_ID": node,
+            "OMNIFLOW_WORKER_ROLE": "llm",
+            "OMNIFLOW_WORKER_MODEL": str(model),
+            "OMNIFLOW_WORKER_DTYPE": "bfloat16",
+            "OMNIFLOW_KV_AGENT_ADDR": agent,
+            "OMNIFLOW_WORKER_TORCH_THREADS": str(threads),
+            "OMP_NUM_THREADS": str(threads),
+        }
+        workers.append(
+            procs.service(
+                "omniflow_services.worker",
+                f"llm{suffix or '-1'}",
+                worker_env,
+                timeout_s=900,
+                python=python,
+            )
+        )
+    # The echo worker's model ("echo") resolves to SmolLM2's folder in the gateway.
+    (models_dir / "echo").symlink_to(folder)
+    gw = procs.service(
+        "omniflow_services.gateway",
+        "gateway",
+        {
+            **base,
+            "OMNIFLOW_GATEWAY_PORT": "0",
+            "OMNIFLOW_ROUTER_ADDR": router,
+            "OMNIFLOW_MODELS_DIR": str(models_dir),
+        },
+    )
+    ns = workers[0]["metadata"]["kv_namespace"]
+    other = {w["metadata"]["kv_namespace"] for w in workers} - {ns}
+    if other:
+        raise RuntimeError(f"the workers disagree on the KV namespace: {ns} and {other}")
+    return Omniflow(gw["url"], workers[0]["address"], router, ns, base, models), redis
+
+
+def start_echo(procs: Procs, of: Omniflow) -> Omniflow:
+    """An echo TEST worker (answers at once) on the same topology, for the overhead."""
+    echo = procs.service(
+        "omniflow.testing.echo_worker",
+        "echo-1",
+        {**of.base, "OMNIFLOW_WORKER_ROLE": "llm", "OMNIFLOW_ECHO_TOKEN_DELAY_MS": "0"},
+    )
+    time.sleep(1.5)  # the gateway's and router's discovery listings see it
+    ns = echo["metadata"]["kv_namespace"]
+    return Omniflow(of.url, echo["address"], of.router, ns, of.base)
+
+
+def start_vllm(procs: Procs, folder: Path, python: Path, threads: int, name: str = "vllm") -> str:
+    """vLLM's OpenAI server (prefix caching on) from its virtualenv; returns its URL."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "OMP_NUM_THREADS": str(threads),
+    }
+    argv = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(folder), "--served-model-name", MODEL, "--dtype", "bfloat16",
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
+        "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    proc = procs.spawn(argv, name, env)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 900
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited; see {procs.dir / (name + '.log')}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"vLLM not up after 900 s; see {procs.dir / (name + '.log')}")
