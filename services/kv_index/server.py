@@ -1,4 +1,5 @@
-"""The kv-index gRPC edge: KVIndexService over the Redis-backed core (``core.KVIndex``).
+"""The kv-index gRPC edge: KVIndexService over the Redis-backed store
+(``omniflow.kv.index_store.KVIndex``, in the library: the router's direct path shares it).
 
 Health turns SERVING once Redis answered and the core loaded its namespaces. A
 maintenance task sweeps lapsed owners and stale entries, and notices a Redis that lost its
