@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.client import Client
@@ -218,10 +216,9 @@ class Load:
             for router in range(self.topo.replicas):
                 try:
                     text = await self._generate_once(prompt, 10.0, router)
-                except (grpc.aio.AioRpcError, OSError) as exc:
-                    code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else ""
-                    detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc
-                    why = f"direct: {code} {detail}"
+                except (OmniflowError, OSError) as exc:  # the channel's domain errors
+                    code = exc.code_name if isinstance(exc, OmniflowError) else ""
+                    why = f"direct: {code} {exc}"
                     continue
                 if text != self.expected[prompt]:
                     return "wrong", f"direct: {text!r} != {self.expected[prompt]!r}"
@@ -247,7 +244,7 @@ class Load:
         for router in range(self.topo.replicas):  # each replica once, as a client fails over
             try:
                 direct_ok = await self._generate_once(prompt, 3.0, router) == self.expected[prompt]
-            except (grpc.aio.AioRpcError, OSError, TimeoutError):
+            except (OmniflowError, OSError, TimeoutError):
                 continue
             break
         return wf_ok, direct_ok
