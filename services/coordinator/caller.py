@@ -210,10 +210,14 @@ class GrpcWorkerCaller:
                 msg.kv_namespace = paged.namespace
                 msg.block_hashes.extend(paged.block_hashes)
                 msg.prompt_tokens = paged.prompt_tokens
+                # Its agent acknowledged them before the reply: count them before the index
+                # announces them (this Pick follows that reply at once).
+                msg.kv_stored_node = str(pages.get("node") or "")
         reply = await stub.Pick(msg, timeout=timeout)
         if req.strategy == 0:
             self._role_default[req.role] = reply.strategy
-        return Target(reply.worker.worker_id, reply.worker.address, reply.worker.kv_namespace)
+        w = reply.worker
+        return Target(w.worker_id, w.address, w.kv_namespace, w.node)
 
     async def invoke(
         self, target: Target, req: CallRequest, on_chunk: ChunkSink | None
@@ -288,6 +292,7 @@ class GrpcWorkerCaller:
                         "kv_namespace": target.kv_namespace,
                         "block_hashes": list(chunk.prompt_block_hashes),
                         "token_ids": Tokens(chunk.prompt_token_ids.ids),
+                        "node": target.node,  # whose kv-agent acknowledged storing them
                     }
         out["text"] = "".join(parts)
         return out

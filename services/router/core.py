@@ -7,11 +7,12 @@ calls in flight) and the queue the worker last reported through ``GetLoad``.
 ``kv_aware``: the cost of a worker estimates, in prompt blocks of prefill, how long the
 request would wait for its first token there: the prefill it would still have to do
 (prompt blocks minus the blocks it can reach, credited 1.0 in its own device pool, 0.75
-in its node's host tier and 0.25 on its node's SSD), plus the prefill the router already
-queued on that worker (the uncached blocks of its outstanding kv_aware picks), plus
-``load_weight`` blocks per outstanding request (its share of every step while it
-decodes). Both load terms are in the same unit as the prefill, so a long prompt is not
-swamped by a count of requests, nor a count of requests by a long prompt. With a
+in its node's host tier — or in the device pool of another worker of its node, which
+writes them through to that tier — and 0.25 on its node's SSD), plus the prefill the
+router already queued on that worker (the uncached blocks of its outstanding kv_aware
+picks), plus ``load_weight`` blocks per outstanding request (its share of every step
+while it decodes). Both load terms are in the same unit as the prefill, so a long prompt
+is not swamped by a count of requests, nor a count of requests by a long prompt. With a
 temperature above 0 the pick samples from ``softmax(-cost / temperature)``, spreading
 load among near-equal workers.
 """
@@ -370,16 +371,24 @@ class WorkerTable:
         """(credit, leading blocks reachable) of one worker given the index's answer."""
         device = 0
         agent_blocks, host, ssd = 0, 0, 0
+        sibling = 0
         for r in reach:
             if r.kind == "worker" and (
                 r.owner_id == worker.worker_id or r.address == worker.address
             ):
                 device = max(device, r.matched_blocks)
+            elif r.kind == "worker" and r.node and r.node == worker.node:
+                # Another worker's device pages on this node: a worker announces them only
+                # when it shares KV through its node's agent, which it writes them through
+                # to, so they are (or within one publish interval will be) in the host tier.
+                sibling = max(sibling, r.matched_blocks)
             elif r.kind == "agent" and r.node == worker.node:
                 if r.matched_blocks > agent_blocks:
                     agent_blocks = r.matched_blocks
                     host = r.blocks_per_tier[0] + r.blocks_per_tier[1]  # device entries: host
                     ssd = r.blocks_per_tier[2]
+        if sibling > agent_blocks:
+            agent_blocks, host, ssd = sibling, sibling, 0
         credit = device * CREDIT_DEVICE
         extra = max(0, agent_blocks - device)
         if extra and host + ssd:

@@ -25,6 +25,7 @@ from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.convert import strategy_name, strategy_value, worker_info
 from omniflow.discovery import find_address
 from omniflow.errors import InvalidArgument, OmniflowError, Unavailable
+from omniflow.kv.index_store import OwnerMatch
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel, remaining_s
 from omniflow.rpc.server import Runtime, ServiceApp
@@ -62,6 +63,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             namespace=request.kv_namespace,
             hashes=list(request.block_hashes),
             temperature=request.temperature,
+            stored_node=request.kv_stored_node,
         )
         self.app.table.begin(result.worker.worker_id, result.prefill_blocks)
         return router_pb2.PickResponse(
@@ -106,6 +108,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     ) -> router_pb2.GetStatsResponse:
         table = self.app.table
         return router_pb2.GetStatsResponse(counters=table.counters, breakers=table.breakers())
+
+
+def _acknowledged(node: str, blocks: int) -> OwnerMatch:
+    """The agent of ``node`` as holding all ``blocks`` in its host tier: the caller knows it
+    acknowledged storing them (a prefill_only reply), though the index may not say so yet."""
+    return OwnerMatch(f"acknowledged@{node}", node, "", "agent", blocks, (0, blocks, 0))
 
 
 def _header(context: grpc.aio.ServicerContext, key: str) -> str:
@@ -295,7 +303,10 @@ class RouterApp(ServiceApp):
         namespace: str = "",
         hashes: list[bytes] | None = None,
         temperature: float = 0.0,
+        stored_node: str = "",
     ) -> PickResult:
+        """One worker for a call; for kv_aware, ``stored_node`` names a node whose agent
+        already acknowledged every block of ``hashes`` (counted before the index knows)."""
         if not role:
             raise InvalidArgument("role is required (e.g. 'llm', 'encoder', 'diffusion')")
         started = time.perf_counter()
@@ -303,6 +314,8 @@ class RouterApp(ServiceApp):
         reach, fallback = None, ""
         if strategy == "kv_aware":
             reach, fallback = await self._match(namespace, hashes or [])
+            if stored_node and hashes:
+                reach = [*(reach or []), _acknowledged(stored_node, len(hashes))]
         result = self.table.pick(
             role,
             strategy,

@@ -115,6 +115,21 @@ def test_kv_aware_prefers_reachable_blocks_with_tier_credit():
     assert t.reachable(t.list()[0], ssd)[0] == pytest.approx(2.5)
 
 
+def test_kv_aware_credits_a_node_siblings_device_pages_as_host_tier():
+    # w1 on node1 holds 8 blocks on its device; the agent of node1 has not announced them
+    # yet (an llm's prefill_only pages, just written through). w3, w1's node-mate, reaches
+    # them through that agent: 0.75 a block; w0 and w2 on node0 reach nothing.
+    t = _table(4)
+    reach = [_owner("w1", "worker", "node1", "127.0.0.1:9001", 8, (8, 0, 0))]
+    w = {r.worker_id: r for r in t.list()}
+    assert t.reachable(w["w3"], reach) == (pytest.approx(6.0), 8)
+    assert t.reachable(w["w0"], reach) == (0.0, 0)
+    assert t.pick("llm", "kv_aware", ("w1",), reach=reach, prompt_blocks=8).worker.worker_id == "w3"
+    # The agent's own answer, once there, counts with its tiers (here: more blocks on SSD).
+    later = [*reach, _owner("agent-node1", "agent", "node1", "x", 10, (0, 0, 10))]
+    assert t.reachable(w["w3"], later) == (pytest.approx(2.5), 10)
+
+
 def test_kv_aware_weighs_load_and_falls_back_to_load_only():
     t = _table()
     reach = [_owner("w1", "worker", "node1", "127.0.0.1:9001", 4, (4, 0, 0))]

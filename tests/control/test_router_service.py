@@ -148,3 +148,36 @@ async def test_proxy_retries_an_idempotent_call_once_on_another_worker(cluster):
         assert [t for t, _ in texts] == [f"echo: q{i}" for i in range(2)]
         stats = await router.GetStats(router_pb2.GetStatsRequest())
         assert stats.counters["proxy_retries"] >= 1
+
+
+async def test_kv_aware_counts_blocks_an_agent_acknowledged_before_the_index_knows(launch):
+    # kv_stored_node: the caller knows that node's agent stored the blocks (an llm's
+    # prefill_only reply), though the index has not announced them: the pick goes there.
+    for node in ("n0", "n1"):
+        launch("omniflow.testing.echo_worker", f"diffusion-{node}",
+               OMNIFLOW_WORKER_ROLE="diffusion", OMNIFLOW_NODE_ID=node).wait_ready()  # fmt: skip
+    router_proc = launch("omniflow_services.router", "router", OMNIFLOW_ROUTER_KV_INDEX="off",
+                         OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.2").wait_ready()  # fmt: skip
+    hashes = block_hashes(ECHO_LAYOUT.namespace, list(range(64)), 16)
+    async with open_channel(router_proc.address) as channel:
+        router = router_pb2_grpc.RouterServiceStub(channel)
+
+        async def pick(node: str) -> str:
+            reply = await router.Pick(
+                router_pb2.PickRequest(
+                    role="diffusion",
+                    strategy=KV,
+                    kv_namespace=ECHO_LAYOUT.namespace_hex,
+                    block_hashes=hashes,
+                    kv_stored_node=node,
+                )
+            )
+            wid = reply.worker.worker_id
+            await router.ReportOutcome(router_pb2.ReportOutcomeRequest(worker_id=wid, success=True))
+            return wid
+
+        assert [await pick(n) for n in ("n1", "n0", "n0", "n1", "n1", "n0")] == [
+            f"diffusion-{n}" for n in ("n1", "n0", "n0", "n1", "n1", "n0")
+        ]
+        # Without it (and no index): by load alone, both workers get picks.
+        assert {await pick("") for _ in range(12)} == {"diffusion-n0", "diffusion-n1"}

@@ -22,6 +22,7 @@ import pytest
 
 from omniflow.api.router.v1 import router_pb2
 from omniflow.client import Client, RunResult
+from omniflow.dsl import VType, Workflow
 from omniflow.models.resolve import resolve_model
 from omniflow.testing.nodes import Nodes, WorkerSpec, start_nodes
 
@@ -96,6 +97,36 @@ async def test_imagegen_through_the_client_reuses_the_pages_where_they_are(nodes
     # The diffusion call ran on the node whose llm stored the prompt's pages, every time.
     wrong = [(p, d) for p, d in placed if nodes.node_of[p] != nodes.node_of[d]]
     assert not wrong, f"diffusion calls off the node holding their pages: {wrong} of {placed}"
+
+
+async def test_prefill_only_then_generate_image_at_once_20_times(nodes: Nodes) -> None:
+    # The two calls back to back through the coordinator, 20 times, each prompt new: the
+    # prefill_only reply is the promise that its pages can be pulled, so every full page
+    # is reused every time (no wait, no retry between the calls), on the pages' node.
+    wf = Workflow("pages_then_image", deadline_ms=120_000)
+    prompt = wf.input("prompt", VType.TEXT)
+    pre = wf.call("prefill", "llm", "generate", prompt=prompt,
+                  params={"chat": True, "prefill_only": True})  # fmt: skip
+    draw = wf.call("draw", "diffusion", "generate_image", pages=pre["pages"],
+                   params={"width": 32, "height": 32, "steps": 1}, strategy="kv_aware")  # fmt: skip
+    wf.output("prompt_tokens", draw["prompt_tokens"])
+    wf.output("cached", draw["cached_prompt_tokens"])
+    wf.output("blocks", pre["prompt_tokens"])
+    short, placed = [], []
+    async with Client(nodes.addresses["coordinator"]) as client:
+        await client.register(wf)
+        for i in range(20):
+            text = f"picture {i}: " + " ".join(f"{w} {i}-{k}" for k, w in enumerate(PROMPTS * 4))
+            result = await client.run("pages_then_image", {"prompt": text})
+            assert result.ok, result.error
+            out = result.outputs
+            assert out["prompt_tokens"] == out["blocks"] > 4 * PAGE, out
+            if out["cached"] != _full_pages(out["prompt_tokens"]):
+                short.append((i, out["cached"], _full_pages(out["prompt_tokens"])))
+            prefill, drawn = _where(result, "prefill"), _where(result, "draw")
+            placed.append(nodes.node_of[prefill] == nodes.node_of[drawn])
+    assert not short, f"runs that pulled fewer than every full page (run, pulled, full): {short}"
+    assert all(placed), placed
 
 
 async def test_imagegen_without_pages_recomputes_the_prompt(nodes: Nodes) -> None:

@@ -42,7 +42,7 @@ BUILTIN: dict[tuple[str, str], OpSignature] = {
             "completion_tokens": VType.INT,
             "finish_reason": VType.TEXT,
             # With param prefill_only: the prompt's stored pages, for another role to pull
-            # ({kv_namespace, block_hashes, token_ids}; diffusion.generate_image ``pages``).
+            # ({kv_namespace, block_hashes, token_ids, node}; generate_image input ``pages``).
             "pages": VType.STRUCT,
         },
         optional=frozenset({"session", "messages", "media"}),
