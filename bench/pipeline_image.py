@@ -129,6 +129,8 @@ def _rows(variants: dict[str, Variant], model: str) -> list[list[str]]:
             med(rc.cached), ".2f"),
         row(work, "diffusion on the pages' node (kv_aware vs round_robin)", hit_kv, hit_rr,
             ".2f"),
+        row(work, "prompt tokens pulled, mean share (kv_aware vs round_robin)",
+            statistics.mean(kv.cached), statistics.mean(rr.cached), ".2f"),
         row(work, "diffusion call p50 ms (kv_aware vs round_robin)", med(kv.draw_ms),
             med(rr.draw_ms), ".0f"),
         row(work, "end-to-end p50 ms (kv_aware vs round_robin)", med(kv.e2e_ms),
