@@ -85,11 +85,6 @@ def coordinator_addresses(explicit: str = "") -> list[str]:
     )
 
 
-def coordinator_address(explicit: str = "") -> str:
-    """The first coordinator address (see :func:`coordinator_addresses`)."""
-    return coordinator_addresses(explicit)[0]
-
-
 async def _discovered() -> list[str]:
     """Coordinators registered in the local topology's discovery (Redis), if any."""
     url = str(_local_state().get("env", {}).get("OMNIFLOW_REDIS_URL", ""))

@@ -33,7 +33,6 @@ POLL_S = 0.25
 BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 STABLE_S = 30.0
-MARKER = "omniflow.cli.supervise"
 
 
 @dataclass(slots=True)

@@ -86,19 +86,6 @@ def raw_channel(
     return grpc.aio.insecure_channel(address, options=options)
 
 
-def sync_channel(
-    address: str,
-    options: list[tuple[str, int | str]] | None = None,
-    security: Security | None = None,
-) -> grpc.Channel:
-    """A blocking grpc channel (for engines that call from their own threads): mutual TLS
-    with this process's certificate when it is on, like :func:`raw_channel`."""
-    sec = security or state()
-    if sec.tls_on:
-        return grpc.secure_channel(address, sec.channel_credentials(), options=options)
-    return grpc.insecure_channel(address, options=options)
-
-
 async def check_health(
     address: str, service: str = "", timeout_s: float = 1.0, security: Security | None = None
 ) -> str:
