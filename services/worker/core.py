@@ -3,39 +3,22 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 from omniflow.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from omniflow.models.resolve import resolve_model
+from omniflow.workers import ROLE_OPERATIONS
 from omniflow_services.worker.config import WorkerSettings
-from omniflow_services.worker.engine import Engine, EngineConfig
+from omniflow_services.worker.engine import Engine, EngineConfig, EngineLoad
 from omniflow_services.worker.engine.threads import apply_thread_budget, thread_budget
 from omniflow_services.worker.llm import LLMRole
 from omniflow_services.worker.mm.loading import LoadedRoles, load_roles
 
 log = logging.getLogger(__name__)
 
-# Operations each role serves once its engine is loaded.
-ROLE_OPERATIONS: dict[str, tuple[str, ...]] = {
-    "llm": ("generate",),
-    "encoder": ("encode",),
-    "diffusion": ("generate_image", "generate"),  # its backbone serves Generate too
-    "talker": ("synthesize",),
-}
 # Sampling features the built-in engine serves, advertised next to the operations so that a
 # caller (the gateway) can refuse a field rather than have it ignored by another engine.
 ENGINE_FEATURES = ("logprobs", "penalties")
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """What the router weighs: queue depth and free KV pages."""
-
-    running: int = 0
-    waiting: int = 0
-    free_pages: int = 0
-    total_pages: int = 0
 
 
 class WorkerCore:
@@ -120,8 +103,5 @@ class WorkerCore:
             )
         return self.mm
 
-    def load_now(self) -> Load:
-        if self.llm is None:
-            return Load()
-        e = self.llm.engine.load()
-        return Load(e.running, e.waiting, e.free_pages, e.total_pages)
+    def load_now(self) -> EngineLoad:
+        return self.llm.engine.load() if self.llm is not None else EngineLoad()

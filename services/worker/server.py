@@ -11,6 +11,7 @@ import grpc
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.errors import InvalidArgument
+from omniflow.finish import finish_to_proto
 from omniflow.kv.wire import layout_to_proto
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import unimplemented
@@ -25,12 +26,6 @@ from omniflow_services.worker.mm.audio_edge import AUDIO_OPERATIONS, invoke_audi
 from omniflow_services.worker.mm.edge import MultimodalEdge, has_media
 
 log = logging.getLogger(__name__)
-
-_FINISH = {
-    "stop": worker_pb2.FINISH_REASON_STOP,
-    "length": worker_pb2.FINISH_REASON_LENGTH,
-    "abort": worker_pb2.FINISH_REASON_ABORT,
-}
 
 
 def sampling_params(p: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
@@ -112,7 +107,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             for top in out.top_logprobs or ():
                 reply.top_logprobs.add(token_ids=top.token_ids, logprobs=top.logprobs)
             if out.finished:
-                reply.finish_reason = _FINISH.get(out.finish_reason or "", 0)
+                reply.finish_reason = finish_to_proto(out.finish_reason)
                 reply.usage.CopyFrom(
                     common_pb2.Usage(
                         prompt_tokens=out.usage.prompt_tokens,

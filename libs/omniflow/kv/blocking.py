@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
@@ -25,6 +25,23 @@ from omniflow.kv.client import KVClient, TransportStats
 from omniflow.kv.pages import PageData
 
 _T = TypeVar("_T")
+
+
+def agent_settings(extra: Mapping[str, Any], what: str) -> tuple[str, str, float]:
+    """``(agent_address, index_address, timeout_s)`` of an engine's extra config (SGLang's
+    HiCache, vLLM's connector), which an ``AgentPageStore`` is opened with; InvalidArgument
+    naming ``what`` and the field when one is missing or bad."""
+    agent = str(extra.get("agent_address", ""))
+    if not agent:
+        raise InvalidArgument(f"{what} needs agent_address (this node's kv-agent, host:port)")
+    raw = extra.get("timeout_s", 10.0)
+    try:
+        timeout = float(raw)
+    except (TypeError, ValueError):
+        timeout = 0.0
+    if not timeout > 0:
+        raise InvalidArgument(f"{what}: timeout_s must be a number > 0, got {raw!r}")
+    return agent, str(extra.get("index_address", "")), timeout
 
 
 class LoopThread:

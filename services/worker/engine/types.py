@@ -81,10 +81,13 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    running: int
-    waiting: int
-    free_pages: int
-    total_pages: int
+    """What the router weighs (the worker reports it as its load): queue depth and free
+    KV pages. All zero when no engine is loaded."""
+
+    running: int = 0
+    waiting: int = 0
+    free_pages: int = 0
+    total_pages: int = 0
 
 
 @dataclass(slots=True)

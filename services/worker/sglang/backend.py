@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
-import itertools
 import json
 import logging
 import socket
@@ -34,20 +33,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omniflow.errors import FailedPrecondition, InvalidArgument
+from omniflow.errors import FailedPrecondition
+from omniflow.finish import engine_finish
 from omniflow.kv.blocks import KVLayout
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.engine import EngineLoad, RequestOutput, SamplingParams, Usage
 from omniflow_services.worker.engine.config import ModelConfig
 from omniflow_services.worker.engine.loader import load_tokenizer
-from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.llm.backends import BackendRole
 from omniflow_services.worker.sglang.hicache import extra_config
 from omniflow_services.worker.sglang.pages import HostPageFormat, KeyMapper
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'omniflow[sglang]' on a machine with a CUDA GPU"
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def sampling_to_sglang(p: SamplingParams) -> dict[str, Any]:
@@ -111,7 +110,7 @@ class StreamDecoder:
             new_token_ids=tuple(int(t) for t in new_ids),
             text_delta=text_delta,
             finished=self.finished,
-            finish_reason=_FINISH.get(str(kind), "stop") if self.finished else None,
+            finish_reason=engine_finish(kind) if self.finished else None,
             usage=Usage(
                 prompt_tokens=int(meta.get("prompt_tokens", 0)),
                 cached_tokens=int(meta.get("cached_tokens", 0)),
@@ -191,7 +190,7 @@ class SGLangEngine:
         self.sgl.shutdown()
 
 
-class SGLangRole(LLMRole):
+class SGLangRole(BackendRole):
     """``LLMRole`` served by SGLang."""
 
     engine: SGLangEngine  # type: ignore[assignment]
@@ -199,7 +198,6 @@ class SGLangRole(LLMRole):
     def __init__(self, engine: SGLangEngine, model_dir: Path) -> None:
         super().__init__(engine, model_dir)  # type: ignore[arg-type]
         self.keys = KeyMapper(engine.layout.namespace)
-        self._warm = itertools.count()
         self._pass_rid = "rid" in inspect.signature(engine.sgl.async_generate).parameters
 
     @classmethod
@@ -216,37 +214,14 @@ class SGLangRole(LLMRole):
         engine = sglang.Engine(**config.engine_kwargs(model_dir, model_id))
         return cls(SGLangEngine(engine, layout, load_tokenizer(model_dir), cfg), model_dir)
 
-    async def warm_up(self) -> None:
-        async for _ in self.generate(
-            f"warm-up-{next(self._warm)}", [0, 1, 2], SamplingParams(1, 0.0)
-        ):
-            pass
-
     def prompt_hashes(self, ids: Sequence[int]) -> list[bytes]:
         """The block hashes the prompt's pages get in the kv-agents (see ``sglang.pages``)."""
         return self.keys.prompt_hashes(ids, self.engine.layout.page_size)
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        cfg = self.engine.model_config
-        if not ids:
-            raise InvalidArgument("the prompt is empty: send at least one token")
-        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise InvalidArgument(
-                f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
-            )
-        params.validate(cfg.vocab_size)
-        limit = cfg.max_position_embeddings
-        if len(ids) + params.max_tokens > limit:
-            raise InvalidArgument(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {limit} tokens"
-            )
-
     async def generate(  # type: ignore[override]
         self, request_id: str, ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        self._validate(ids, params)
+        self.check_prompt(ids, params)
         dec = StreamDecoder(request_id)
         kwargs: dict[str, Any] = {
             "input_ids": ids,

@@ -40,13 +40,13 @@ from typing import Any
 import torch
 
 from omniflow.errors import InvalidArgument
+from omniflow.kv.blocking import AgentPageStore, agent_settings
 from omniflow_services.worker.sglang.pages import (
     HostPageFormat,
     KeyMapper,
     host_format_of,
     namespace_model_id,
 )
-from omniflow.kv.blocking import AgentPageStore
 
 log = logging.getLogger(__name__)
 
@@ -76,21 +76,18 @@ class BackendConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> BackendConfig:
-        agent = str(extra.get("agent_address", ""))
-        if not agent:
-            raise InvalidArgument(
-                "hicache extra config needs agent_address (this node's kv-agent, host:port)"
-            )
+        agent, index, timeout = agent_settings(extra, "hicache extra config")
         try:
-            timeout = float(extra.get("timeout_s", 10.0))
             max_batch = int(extra.get("max_batch", 256))
         except (TypeError, ValueError):
-            raise InvalidArgument("timeout_s must be a number and max_batch an integer") from None
-        if timeout <= 0 or max_batch <= 0:
-            raise InvalidArgument("timeout_s and max_batch must be > 0")
+            max_batch = 0
+        if max_batch <= 0:
+            raise InvalidArgument(
+                f"max_batch must be an integer > 0, got {extra.get('max_batch')!r}"
+            )
         return cls(
             agent_address=agent,
-            index_address=str(extra.get("index_address", "")),
+            index_address=index,
             model_id=str(extra.get("model_id", "")),
             timeout_s=timeout,
             zero_copy=bool(extra.get("zero_copy", True)),

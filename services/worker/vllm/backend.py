@@ -28,7 +28,6 @@ import asyncio
 import atexit
 import gc
 import importlib.util
-import itertools
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from omniflow.errors import FailedPrecondition, InvalidArgument, Unavailable, Unimplemented
+from omniflow.finish import engine_finish
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.rpc.server import Runtime
 from omniflow_services.worker.config import WorkerSettings
@@ -44,7 +44,7 @@ from omniflow_services.worker.engine import EngineLoad, RequestOutput, SamplingP
 from omniflow_services.worker.engine.config import ModelConfig
 from omniflow_services.worker.engine.loader import load_tokenizer
 from omniflow_services.worker.engine.types import EngineStats, TopLogprobs
-from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.llm.backends import BackendRole
 from omniflow_services.worker.vllm.events import DeviceIndex, events_endpoint
 from omniflow_services.worker.vllm.pages import cpu_format, opaque_model_id
 
@@ -58,7 +58,6 @@ INSTALL_HINT = (
 PAGE_SIZE = 16  # Omni-Flow pages (DESIGN.md §4.1); a vLLM block holds one or more
 CPU_BLOCK_SIZE = 32  # vLLM CPU's attention accepts only multiples of 32
 GPU_BLOCK_SIZE = 16
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def sampling_to_vllm(p: SamplingParams) -> dict[str, Any]:
@@ -118,7 +117,7 @@ class DeltaDecoder:
             new_token_ids=ids,
             text_delta=comp.text if comp is not None else "",
             finished=self.finished,
-            finish_reason=_FINISH.get(str(reason), "stop") if self.finished else None,
+            finish_reason=engine_finish(reason) if self.finished else None,
             usage=Usage(
                 prompt_tokens=self.prompt_tokens,
                 cached_tokens=int(item.num_cached_tokens or 0),
@@ -289,7 +288,7 @@ class VLLMEngine:
             gc.collect()
 
 
-class VLLMRole(LLMRole):
+class VLLMRole(BackendRole):
     """``LLMRole`` served by vLLM."""
 
     engine: VLLMEngine  # type: ignore[assignment]
@@ -298,7 +297,6 @@ class VLLMRole(LLMRole):
         self, engine: VLLMEngine, model_dir: Path, config: VLLMConfig | None = None
     ) -> None:
         super().__init__(engine, model_dir)  # type: ignore[arg-type]
-        self._warm = itertools.count()
         self.config = config or VLLMConfig()
         self.device_index: DeviceIndex | None = None
         if self.config.events_endpoint:
@@ -363,33 +361,13 @@ class VLLMRole(LLMRole):
         )
         return cls(engine, model_dir, config)
 
-    async def warm_up(self) -> None:
-        async for _ in self.generate(
-            f"warm-up-{next(self._warm)}", [0, 1, 2], SamplingParams(1, 0.0)
-        ):
-            pass
-
     def prompt_hashes(self, ids: Sequence[int]) -> list[bytes]:
         """The block hashes the prompt's pages get in the kv-agents (DESIGN.md §4.1)."""
         layout = self.engine.layout
         return block_hashes(layout.namespace, ids, layout.page_size)
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        cfg = self.engine.model_config
-        if not ids:
-            raise InvalidArgument("the prompt is empty: send at least one token")
-        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise InvalidArgument(
-                f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
-            )
-        params.validate(cfg.vocab_size)
-        limit = self.engine.llm.vllm_config.model_config.max_model_len
-        if len(ids) + params.max_tokens > limit:
-            raise InvalidArgument(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {limit} tokens"
-            )
+    def context_length(self) -> int:
+        return int(self.engine.llm.vllm_config.model_config.max_model_len)
 
     async def generate(  # type: ignore[override]
         self, request_id: str, ids: list[int], params: SamplingParams
@@ -397,7 +375,7 @@ class VLLMRole(LLMRole):
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        self._validate(ids, params)
+        self.check_prompt(ids, params)
         if request_id in self.engine.active:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         sp = VSamplingParams(**sampling_to_vllm(params), output_kind=RequestOutputKind.DELTA)

@@ -57,9 +57,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from omniflow.errors import InvalidArgument
+from omniflow.kv.blocking import AgentPageStore, agent_settings
 from omniflow.kv.blocks import ROOT_PARENT, KVLayout, hash_page
 from omniflow.logsetup import setup_logging
-from omniflow.kv.blocking import AgentPageStore
 from omniflow_services.worker.vllm.pages import BlockFormat
 
 if TYPE_CHECKING:
@@ -100,11 +100,7 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
-        agent = str(extra.get("agent_address", ""))
-        if not agent:
-            raise InvalidArgument(
-                "kv_connector_extra_config needs agent_address (this node's kv-agent, host:port)"
-            )
+        agent, index, timeout = agent_settings(extra, "kv_connector_extra_config")
         try:
             layout = KVLayout(
                 model_id=str(extra["model_id"]),
@@ -114,18 +110,15 @@ class ConnectorConfig:
                 dtype=str(extra["dtype"]),
                 page_size=int(extra.get("page_size", 16)),
             )
-            timeout = float(extra.get("timeout_s", 10.0))
             kv_format = str(extra["kv_format"])
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(
                 f"kv_connector_extra_config: {exc!r}; it needs model_id, num_layers, "
                 "num_kv_heads, head_dim, dtype, kv_format (and optionally page_size, timeout_s)"
             ) from None
-        if timeout <= 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {timeout}")
         return cls(
             agent_address=agent,
-            index_address=str(extra.get("index_address", "")),
+            index_address=index,
             layout=layout,
             kv_format=kv_format,
             timeout_s=timeout,
