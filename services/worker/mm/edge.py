@@ -7,6 +7,7 @@ answers with ``TensorRef``s; the LLM reads them back only when it must compute t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -197,7 +198,11 @@ class MultimodalEdge:
         else:
             raise InvalidArgument("media items need a text or messages prompt, not token_ids")
         layout = engine.layout
-        hashes = block_hashes(layout.namespace, prompt.tokens, layout.page_size, prompt.extra_keys)
+        # The caller's tenant salts the hashes, as for text prompts (omniflow.security.kvsalt).
+        extra = salted_extra_keys(prompt.extra_keys)
+        if extra is not prompt.extra_keys:
+            req = dataclasses.replace(req, extra_keys=extra)
+        hashes = block_hashes(layout.namespace, prompt.tokens, layout.page_size, extra)
         return req, hashes
 
     # --- Encode ----------------------------------------------------------------------------
