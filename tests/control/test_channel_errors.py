@@ -43,6 +43,10 @@ async def test_unary_failure_is_the_domain_error(health_address: str) -> None:
     assert str(err) == (err.details() or "NOT_FOUND")  # grpc's health sends no details
     assert err.code_name == "NOT_FOUND"
     assert error_from_rpc(err) is err  # mapped once, never again
+    # Re-raised with more context, as a local domain error would be.
+    again = type(err)(f"checking health: {err}")
+    assert isinstance(again, errors.NotFound) and again.code() == grpc.StatusCode.NOT_FOUND
+    assert str(again) == f"checking health: {err}"
 
 
 async def test_unreachable_peer_is_unavailable_for_streams_too() -> None:

@@ -30,22 +30,40 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.OmniflowError]] = {
 }
 
 
-def _remote(base: type[errors.OmniflowError]) -> type[errors.OmniflowError]:
+def _remote(base: type[errors.OmniflowError], code: grpc.StatusCode) -> type[errors.OmniflowError]:
     """``base`` as a failed call raises it: also a ``grpc.aio.AioRpcError`` (``code()``,
     ``details()``, metadata), so that code written against grpc's error keeps working.
-    Its message is the status details, as for a domain error raised locally."""
+    Its message is the status details, and ``type(err)("more context: ...")`` builds one
+    like a local domain error (same code, that message)."""
+
+    def __init__(
+        self: Any,
+        message: str = "",
+        *,
+        status: grpc.StatusCode = code,
+        metadata: tuple[Any, Any, str | None] = (None, None, None),
+    ) -> None:
+        initial, trailing, debug = metadata
+        grpc.aio.AioRpcError.__init__(self, status, initial, trailing, message, debug)
+        self.args = (message,)
+
     return type(
         base.__name__,
         (base, grpc.aio.AioRpcError),
-        {"__module__": __name__, "__qualname__": base.__name__, "__str__": Exception.__str__},
+        {
+            "__init__": __init__,
+            "__module__": __name__,
+            "__qualname__": base.__name__,
+            "__str__": Exception.__str__,
+        },
     )
 
 
 # Built once: one class per code, so ``except errors.NotFound`` and ``type(exc)`` behave.
 _REMOTE: dict[grpc.StatusCode, type[errors.OmniflowError]] = {
-    code: _remote(cls) for code, cls in _BY_CODE.items()
+    code: _remote(cls, code) for code, cls in _BY_CODE.items()
 }
-_REMOTE_OTHER = _remote(errors.OmniflowError)  # UNKNOWN, INTERNAL, ABORTED...
+_REMOTE_OTHER = _remote(errors.OmniflowError, grpc.StatusCode.UNKNOWN)  # INTERNAL, ABORTED...
 
 
 def status_of(exc: errors.OmniflowError) -> grpc.StatusCode:
@@ -78,15 +96,13 @@ def error_from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError) -> errors.Omniflow
         return exc
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    err = _REMOTE.get(code, _REMOTE_OTHER)(  # type: ignore[call-arg]
-        code,
+    metadata = (
         _call_value(exc, "initial_metadata"),
         _call_value(exc, "trailing_metadata"),
-        details,
         _call_value(exc, "debug_error_string"),
     )
-    err.args = (details or code.name,)
-    return err
+    cls = _REMOTE.get(code, _REMOTE_OTHER)
+    return cls(details or code.name, status=code, metadata=metadata)  # type: ignore[call-arg]
 
 
 def _call_value(exc: BaseException, name: str) -> Any:
