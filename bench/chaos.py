@@ -1,9 +1,11 @@
 """Chaos bench: SIGKILL each service of a supervised local topology in turn under load.
 
-    .venv/bin/python bench/chaos.py [--per-phase 16] [--window 10]
+    .venv/bin/python bench/chaos.py [--per-phase 34] [--window 10] [--model M | --echo]
 
-Starts ``omniflow up`` (``--replicas`` routers and coordinators; echo TEST workers, so
-that requests cost almost nothing) in a temporary run folder, records the answers, then
+Starts ``omniflow up`` (``--replicas`` routers and coordinators; two real llm workers
+serving ``--model``, SmolLM2-135M-Instruct by default, greedy, ``--max-tokens`` per
+request — or, with ``--echo``, echo TEST workers whose requests cost almost nothing) in a
+temporary run folder, records the answers (greedy: the same prompt, the same text), then
 for each of llm-1, kv-agent, router, coordinator, kv-index and Redis: sends
 ``--per-phase`` requests (workflow runs and direct generations, alternating), SIGKILLs the
 service a third of the way in, and counts how the requests ended (see
@@ -25,7 +27,13 @@ from omniflow.testing.chaos import KILL_ORDER, chaos, table
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--per-phase", type=int, default=16, help="requests per killed service")
+    p.add_argument(
+        "--per-phase", type=int, default=34, help="requests per killed service (6 x 34 ≈ 200)"
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model of the real llm workers")
+    p.add_argument("--echo", action="store_true", help="echo TEST workers instead of a model")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per real generation")
+    p.add_argument("--spacing", type=float, default=0.08, help="seconds between requests")
     p.add_argument("--window", type=float, default=10.0, help="recovery probe window, seconds")
     p.add_argument("--targets", default=",".join(KILL_ORDER), help="services to kill, in order")
     p.add_argument(
@@ -42,11 +50,17 @@ def main() -> int:
                 targets=tuple(args.targets.split(",")),
                 window_s=args.window,
                 replicas=args.replicas,
+                model="" if args.echo else args.model,
+                max_tokens=args.max_tokens,
+                spacing_s=args.spacing,
             )
         )
     phases, stuck = result.phases, result.stuck
-    print(f"\n{args.replicas} router(s) and {args.replicas} coordinator(s), supervised")
+    workers = "echo TEST workers" if args.echo else f"real llm workers ({args.model}, greedy)"
+    print(f"\n{args.replicas} router(s) and {args.replicas} coordinator(s), supervised; {workers}")
     print(table(phases))
+    for prompt, text in list(result.answers.items())[:2]:  # what the workers answer
+        print(f"  answer recorded before the faults: {prompt!r} -> {text!r}")
     print(f"\nruns left RUNNING after the adoption window: {len(stuck)}")
     print(f"processes omniflow down left behind: {len(result.left_behind)}")
     print(f"wall time {time.monotonic() - started:.0f} s; load average {os.getloadavg()}")

@@ -11,22 +11,24 @@ Each test appends its row to ``OMNIFLOW_FUZZ_REPORT`` (JSON lines) when that is 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from fuzzer import rss_kb
-from procs import ServiceProc
+from procs import ServiceProc, start_service, stop_all
 
 from omniflow.localredis import start_redis
 
 HOST_BYTES = 4 * 1024 * 1024
 MAX_INLINE = 256 * 1024  # the coordinator's inline-input bound, small so that past it is cheap
 MAX_BODY = 256 * 1024  # the gateway's body bound
+#: Development transport: plaintext, no auth, no token or certificates from the caller's env.
+PLAIN = {
+    "OMNIFLOW_TLS": "off", "OMNIFLOW_AUTH": "off", "OMNIFLOW_TOKEN": "", "OMNIFLOW_TLS_CA": "",
+    "OMNIFLOW_TLS_CERT": "", "OMNIFLOW_TLS_KEY": "", "OMP_NUM_THREADS": "1",
+}  # fmt: skip
 
 
 @dataclass
@@ -59,32 +61,8 @@ def fuzz_topology(
     started: list[ServiceProc] = []
 
     def launch(module: str, name: str, **env: str) -> ServiceProc:
-        ready, log = tmp / f"{name}.ready.json", tmp / f"{name}.log"
-        full_env = {
-            **os.environ,
-            "OMNIFLOW_REDIS_URL": redis.url,
-            "OMNIFLOW_DISCOVERY": "redis",
-            "OMNIFLOW_PORT": "0",
-            "OMNIFLOW_METRICS_PORT": "-1",
-            "OMNIFLOW_READY_FILE": str(ready),
-            "OMNIFLOW_INSTANCE_ID": name,
-            "OMNIFLOW_NODE_ID": "fuzz-node",
-            "OMNIFLOW_TLS": "off",
-            "OMNIFLOW_AUTH": "off",
-            "OMP_NUM_THREADS": "1",
-            **env,
-        }
-        for key in ("OMNIFLOW_TOKEN", "OMNIFLOW_TLS_CA", "OMNIFLOW_TLS_CERT", "OMNIFLOW_TLS_KEY"):
-            full_env.pop(key, None)
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", module],
-                env=full_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        proc = ServiceProc(name, popen, ready, log)
+        full = {**PLAIN, "OMNIFLOW_NODE_ID": "fuzz-node", **env}
+        proc = start_service(module, name, tmp=tmp, redis_url=redis.url, **full)
         started.append(proc)
         return proc
 
@@ -130,13 +108,5 @@ def fuzz_topology(
         ).wait_ready(60)
         yield FuzzTopology({p.name: p for p in started}, redis.url, tmp)
     finally:
-        for proc in reversed(started):
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        for proc in reversed(started):
-            try:
-                proc.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
+        stop_all(reversed(started), timeout_s=15)
         redis.stop()

@@ -2,7 +2,9 @@
 test and ``bench/chaos.py``.
 
 The topology serves TEST echo workers (fake compute, no model), so a run costs little:
-an llm "generation" streams ``echo: <prompt>`` word by word. Load is a mix of workflow
+an llm "generation" streams ``echo: <prompt>`` word by word — or, with ``model`` (e.g.
+``smollm2-135m-instruct``), real llm workers: the engine on real weights, greedy, a few
+tokens per request, sharing KV through the kv-agent. Load is a mix of workflow
 runs (client → coordinator → router → worker) and direct generations (client → the
 router's worker proxy → worker), all greedy, each checked against the answer recorded
 before any fault. One phase per service: while requests are in flight, that service is
@@ -50,16 +52,20 @@ from omniflow.security.transport import configure as configure_security
 
 KILL_ORDER = ("llm-1", "kv-agent", "router", "coordinator", "kv-index", "redis")
 WORKFLOW = "chaos"
-RETRIES = 4
+# A well-behaved client's retries: backoff doubling from 0.25 s, capped at 2 s, six times
+# (about 8 s in all: a single restarted service is back within the 10 s window).
+RETRIES = 6
+MAX_BACKOFF_S = 2.0
 
 
-def chaos_workflow() -> Workflow:
-    wf = Workflow(WORKFLOW, description="one echo generation (chaos test)")
+def chaos_workflow(max_tokens: int = 0) -> Workflow:
+    wf = Workflow(WORKFLOW, description="one llm generation (chaos test)")
+    params = {"max_tokens": max_tokens} if max_tokens else None
     # A retry policy, as a user gives a node that may meet a dying worker: another worker
     # takes the call when the first fails before any output.
     reply = wf.call(
         "say", "llm", "generate", prompt=wf.input("prompt", VType.TEXT),
-        retry=Retry(max_attempts=3),
+        retry=Retry(max_attempts=3), params=params,
     )  # fmt: skip
     wf.output("text", reply["text"])
     return wf
@@ -82,13 +88,21 @@ class PhaseResult:
 
 
 class LocalTopology:
-    """``omniflow up`` in a run folder of its own, with echo workers; ``down`` at exit."""
+    """``omniflow up`` in a run folder of its own, with echo workers (or real llm workers
+    serving ``model``); ``down`` at exit."""
 
     def __init__(
-        self, root: Path, *, workers: int = 2, replicas: int = 1, token_delay_ms: float = 20.0
+        self,
+        root: Path,
+        *,
+        workers: int = 2,
+        replicas: int = 1,
+        token_delay_ms: float = 20.0,
+        model: str = "",
     ) -> None:
         self.root = root
         self.replicas = replicas
+        self.model = model
         self.run_dir = root / "run"
         omniflow = shutil.which("omniflow") or str(Path(sys.executable).with_name("omniflow"))
         self._omniflow = omniflow
@@ -113,11 +127,16 @@ class LocalTopology:
     def up(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         topology = self.root / "topology.yaml"
+        worker = "program: echo"
+        if self.model:  # one torch thread each; a small KV pool (prompts are short)
+            env = "{OMNIFLOW_WORKER_TORCH_THREADS: '1', OMNIFLOW_WORKER_KV_BYTES: '33554432'}"
+            worker = f'model: "{self.model}", env: {env}'
         topology.write_text(
             f"node: chaos\nrouters: {self.replicas}\ncoordinators: {self.replicas}\n"
-            f"workers:\n  - {{role: llm, count: {self.workers}, program: echo}}\n"
+            f"workers:\n  - {{role: llm, count: {self.workers}, {worker}}}\n"
         )
-        done = self._cli("up", "--topology", str(topology))
+        # Real workers load their weights before `up` returns.
+        done = self._cli("up", "--topology", str(topology), timeout=600 if self.model else 180)
         if done.returncode != 0:
             self.down()
             raise RuntimeError(f"omniflow up failed:\n{done.stdout}\n{done.stderr}")
@@ -155,12 +174,27 @@ class LocalTopology:
 class Load:
     """The two kinds of request, each with the retries of a well-behaved client."""
 
-    def __init__(self, topo: LocalTopology, client: Client) -> None:
+    def __init__(
+        self,
+        topo: LocalTopology,
+        client: Client,
+        *,
+        max_tokens: int = 0,
+        timeout_s: float = 10.0,
+        probe_timeout_s: float = 3.0,
+    ) -> None:
         self.topo = topo
         self.client = client
         self.coordinators = ",".join(topo.addresses("coordinator"))
-        self.expected: dict[str, str] = {}
+        self.expected: dict[str, str] = {}  # workflow answers, recorded before any fault
+        self.expected_direct: dict[str, str] = {}  # direct answers (a real model's may differ)
         self.run_ids: list[str] = []
+        self.max_tokens = max_tokens
+        self.timeout_s = timeout_s  # of one direct generation
+        self.probe_timeout_s = probe_timeout_s
+
+    def direct_answer(self, prompt: str) -> str:
+        return self.expected_direct.get(prompt, self.expected[prompt])
 
     async def workflow(self, prompt: str, retries: int = RETRIES) -> tuple[str, str]:
         """(outcome, detail) of one workflow run."""
@@ -181,7 +215,7 @@ class Load:
                 if attempt == retries:
                     return "lost", why
                 await asyncio.sleep(backoff)
-                backoff *= 2
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             if final.state == cpb.RUN_STATE_SUCCEEDED:
                 text = final.outputs["text"].text
@@ -192,7 +226,7 @@ class Load:
             if not final.error or attempt == retries:
                 return "lost", why
             await asyncio.sleep(backoff)  # a failure with a reason: submit again
-            backoff *= 2
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
         return "lost", "unreachable"
 
     async def _generate_once(self, prompt: str, timeout_s: float, router: int = 0) -> str:
@@ -202,6 +236,8 @@ class Load:
             stub = worker_pb2_grpc.WorkerServiceStub(ch)
             parts = []
             req = worker_pb2.GenerateRequest(request_id=uuid.uuid4().hex, text=prompt)
+            if self.max_tokens:
+                req.sampling.max_tokens = self.max_tokens
             async for chunk in stub.Generate(req, timeout=timeout_s):
                 parts.append(chunk.text)
             return "".join(parts)
@@ -215,26 +251,27 @@ class Load:
         for attempt in range(retries + 1):
             for router in range(self.topo.replicas):
                 try:
-                    text = await self._generate_once(prompt, 10.0, router)
+                    text = await self._generate_once(prompt, self.timeout_s, router)
                 except (OmniflowError, OSError) as exc:  # the channel's domain errors
                     code = exc.code_name if isinstance(exc, OmniflowError) else ""
                     why = f"direct: {code} {exc}"
                     continue
-                if text != self.expected[prompt]:
-                    return "wrong", f"direct: {text!r} != {self.expected[prompt]!r}"
+                if text != self.direct_answer(prompt):
+                    return "wrong", f"direct: {text!r} != {self.direct_answer(prompt)!r}"
                 return ("ok", "") if attempt == 0 else ("retried", why)
             if attempt < retries:
                 await asyncio.sleep(backoff)
-                backoff *= 2
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
         return "lost", why
 
     async def probe(self) -> tuple[bool, bool]:
         """One fresh request of each kind with no retry: (workflow ok, direct ok)."""
         prompt = next(iter(self.expected))
         # A fresh client, failing over between replicas only as fast as it can (no backoff).
-        probe = Client(self.coordinators, failover_s=1.0, resume_s=3.0, timeout_s=3.0)
+        wait = self.probe_timeout_s
+        probe = Client(self.coordinators, failover_s=1.0, resume_s=wait, timeout_s=wait)
         try:
-            wf = await asyncio.wait_for(probe.run(WORKFLOW, {"prompt": prompt}), 3.0)
+            wf = await asyncio.wait_for(probe.run(WORKFLOW, {"prompt": prompt}), wait)
             wf_ok = wf.ok and wf.outputs.get("text") == self.expected[prompt]
         except (OmniflowError, TimeoutError):
             wf_ok = False
@@ -243,7 +280,8 @@ class Load:
         direct_ok = False
         for router in range(self.topo.replicas):  # each replica once, as a client fails over
             try:
-                direct_ok = await self._generate_once(prompt, 3.0, router) == self.expected[prompt]
+                text = await self._generate_once(prompt, self.probe_timeout_s, router)
+                direct_ok = text == self.direct_answer(prompt)
             except (OmniflowError, OSError, TimeoutError):
                 continue
             break
@@ -342,11 +380,15 @@ async def chaos(
     targets: tuple[str, ...] = KILL_ORDER,
     window_s: float = 10.0,
     replicas: int = 1,
+    model: str = "",
+    max_tokens: int = 8,
+    spacing_s: float = 0.08,
     log: Callable[[str], None] = print,
 ) -> ChaosResult:
     """The whole run: up, record answers, one phase per target, check nothing is stuck,
-    down."""
-    topo = LocalTopology(root, replicas=replicas)
+    down. ``model``: real llm workers serving it (``max_tokens`` each request), else echo
+    workers."""
+    topo = LocalTopology(root, replicas=replicas, model=model)
     topo.up()
     started = topo.all_pids()
     # `omniflow up` runs mutual TLS and auth: this process presents its run folder's client
@@ -355,18 +397,26 @@ async def chaos(
     try:
         coordinators = ",".join(topo.addresses("coordinator"))
         async with Client(coordinators, resume_s=30.0) as client:
-            await client.register(chaos_workflow())
-            load = Load(topo, client)
+            tokens = max_tokens if model else 0
+            await client.register(chaos_workflow(tokens))
+            # Real generations queue behind each other on few cores: longer deadlines.
+            load = Load(
+                topo, client, max_tokens=tokens, timeout_s=30.0 if model else 10.0,
+                probe_timeout_s=10.0 if model else 3.0,
+            )  # fmt: skip
             for i in range(4):  # the answers, recorded before any fault
                 prompt = f"q{i} how are the pages today"
                 result = await client.run(WORKFLOW, {"prompt": prompt})
                 if not result.ok:
                     raise RuntimeError(f"baseline run failed: {result.error}")
                 load.expected[prompt] = result.outputs["text"]
+                load.expected_direct[prompt] = await load._generate_once(prompt, load.timeout_s)
             phases = []
             for target in targets:
                 log(f"phase: SIGKILL {target} under load ...")
-                phase = await run_phase(topo, load, target, per_phase, window_s=window_s)
+                phase = await run_phase(
+                    topo, load, target, per_phase, window_s=window_s, spacing_s=spacing_s
+                )
                 if not await wait_healthy(topo, 60.0):
                     phase.notes.append("topology not healthy again within 60 s")
                 started |= topo.all_pids()
@@ -378,7 +428,7 @@ async def chaos(
         if secured:
             configure_security(None)
         left = _reap_leftovers(started, topo.run_dir)
-    return ChaosResult(phases, stuck, left)
+    return ChaosResult(phases, stuck, left, dict(load.expected))
 
 
 @dataclass(slots=True)
@@ -386,6 +436,7 @@ class ChaosResult:
     phases: list[PhaseResult]
     stuck: list[str]  # runs left RUNNING after the adoption window
     left_behind: list[int]  # PIDs ``omniflow down`` did not end (ended here, by PID)
+    answers: dict[str, str] = field(default_factory=dict)  # prompt -> text, before any fault
 
 
 def _reap_leftovers(pids: set[int], run_dir: Path) -> list[int]:
