@@ -399,3 +399,37 @@ def test_imagegen_through_the_gateway(client: openai.OpenAI, topology: Any) -> N
     image = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
     assert image.format == "PNG" and image.size == (32, 48)
     assert isinstance(item.revised_prompt, str) and item.revised_prompt
+
+
+def test_omni_chat_e2e_reuses_the_image_span(client: openai.OpenAI, topology: Any) -> None:
+    """An image and a question answered aloud; turn 2 (the same image in the first user
+    turn, the answer by its audio id) reuses every full page of turn 1's prompt, the image's
+    span included."""
+    from PIL import Image
+
+    _example(topology, "omni_chat.py", ("omni_chat_e2e",))
+    buf = io.BytesIO()
+    Image.new("RGB", (48, 48), (200, 30, 30)).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    first = {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "What is in this image?"},
+        ],
+    }
+    spoken = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
+    one = client.chat.completions.create(model="workflow:omni_chat_e2e", messages=[first], **spoken)
+    said = one.choices[0].message.audio
+    assert said is not None and said.transcript
+    assert len(_wav(base64.b64decode(said.data))[0]) > 0
+    follow = [
+        first,
+        {"role": "assistant", "audio": {"id": said.id}},
+        {"role": "user", "content": "Tell me more."},
+    ]
+    two = client.chat.completions.create(model="workflow:omni_chat_e2e", messages=follow, **spoken)
+    assert two.choices[0].message.audio.transcript
+    page = 16  # the llm worker's page size (the engine's default)
+    full = one.usage.prompt_tokens // page * page
+    assert full > 0 and two.usage.prompt_tokens_details.cached_tokens >= full
