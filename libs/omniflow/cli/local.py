@@ -352,13 +352,14 @@ def stop_all(procs: list[Proc], grace_s: float = 10.0) -> list[str]:
 
 
 async def status() -> int:
-    local_security.use_local_security(run_dir())
+    secured = local_security.use_local_security(run_dir())
     procs, _ = _load_state(run_dir())
     if not procs:
         print(f"nothing is running (no state in {run_dir()})")
         return 1
     statuses = await _statuses(procs)
     print_table(procs, statuses)
+    print(f"security: {'mutual TLS + tokens' if secured else 'plaintext, no auth (--insecure)'}")
     sup = _supervisor(run_dir())
     if sup is not None:
         print(f"supervisor pid {sup.pid}: {'RUNNING' if _alive(sup) else 'EXITED'}")
