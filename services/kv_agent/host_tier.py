@@ -8,11 +8,10 @@ table (``HostTier``), with its LRU order and pins.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 
-from omniflow.errors import FailedPrecondition
 from omniflow.kv.arena import HostArena
+from omniflow_services.kv_agent.page_table import PageTable
 
 log = logging.getLogger(__name__)
 
@@ -56,29 +55,17 @@ class HostPage:
     pins: int = 0
 
 
-class HostTier:
+class HostTier(PageTable[HostPage]):
     """The agent's page table over an arena: key → slot, LRU order, pin counts, a budget.
 
     Keys are ``namespace + block_hash`` (32 bytes). Not thread-safe: the store locks.
     """
 
     def __init__(self, arena: HostArena, budget_pages: int | None = None) -> None:
+        super().__init__()
         self.arena = arena
         self.budget_pages = min(budget_pages or arena.num_slots, arena.num_slots)
         self._alloc = SlotAllocator(arena.num_slots)
-        self._pages: OrderedDict[bytes, HostPage] = OrderedDict()  # oldest first
-
-    def __len__(self) -> int:
-        return len(self._pages)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._pages
-
-    def get(self, key: bytes, touch: bool = True) -> HostPage | None:
-        page = self._pages.get(key)
-        if page is not None and touch:
-            self._pages.move_to_end(key)
-        return page
 
     def reserve_slot(self) -> int | None:
         """A slot for a new page, or None when the budget or the arena is full."""
@@ -90,29 +77,14 @@ class HostTier:
         self._alloc.free(slot)
 
     def insert(self, key: bytes, slot: int, checksum: int, pins: int = 0) -> HostPage:
-        page = HostPage(slot, checksum, pins)
-        self._pages[key] = page
-        return page
+        return self._put(key, HostPage(slot, checksum, pins))
 
     def remove(self, key: bytes) -> HostPage:
-        page = self._pages.pop(key)
-        if page.pins:
-            self._pages[key] = page
-            raise FailedPrecondition(f"page {key.hex()} is pinned ({page.pins})")
+        page = self._take(key)
         self._alloc.free(page.slot)
         return page
-
-    def lru_victim(self) -> bytes | None:
-        """The least recently used unpinned page, or None if every page is pinned."""
-        for key, page in self._pages.items():
-            if not page.pins:
-                return key
-        return None
-
-    def keys(self) -> list[bytes]:
-        return list(self._pages)
 
     @property
     def reserved_slots(self) -> int:
         """Slots allocated but not (yet) in the table: reservations in flight."""
-        return self._alloc.used_count - len(self._pages)
+        return self._alloc.used_count - len(self)

@@ -89,11 +89,8 @@ class NixlChannel:
         self._registered.append(descs)
         log.info("nixl %s: registered %d bytes at %#x", self.name, nbytes, address)
 
-    async def register(self, address: int, nbytes: int) -> None:
-        await self._call(self.register_sync, address, nbytes)
-
     def register_blocking(self, address: int, nbytes: int) -> None:
-        """``register`` from synchronous code (any thread but the NIXL one)."""
+        """``register_sync`` from synchronous code (any thread but the NIXL one)."""
         self._exec.submit(self.register_sync, address, nbytes).result(timeout=30)
 
     async def metadata(self) -> bytes:

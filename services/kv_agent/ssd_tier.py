@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
@@ -30,6 +29,7 @@ import xxhash
 from omniflow.errors import DataLoss, FailedPrecondition, InvalidArgument
 from omniflow.kv.checksum import page_checksum
 from omniflow_services.kv_agent.host_tier import SlotAllocator
+from omniflow_services.kv_agent.page_table import PageTable
 
 log = logging.getLogger(__name__)
 
@@ -165,16 +165,18 @@ class SsdFile:
             self._fd = -1
 
 
-class SsdTier:
+class SsdTier(PageTable[SsdPage]):
     """Page table over an ``SsdFile``: key → slot, LRU order, pins, a budget.
 
     Keys are ``namespace + block_hash``. Not thread-safe: the store locks.
     """
 
+    label = "ssd page"
+
     def __init__(self, file: SsdFile, budget_pages: int | None = None) -> None:
+        super().__init__()
         self.file = file
         self.budget_pages = min(budget_pages or file.num_pages, file.num_pages)
-        self._pages: OrderedDict[bytes, SsdPage] = OrderedDict()
         records = file.read_records()
         for slot, (ns, block_hash, checksum, gen) in sorted(records.items(), key=lambda r: r[1][3]):
             key = ns + block_hash
@@ -187,18 +189,6 @@ class SsdTier:
         self._gen = max((p.generation for p in self._pages.values()), default=0)
         if self._pages:
             log.info("ssd tier %s: recovered %d pages", file.path, len(self._pages))
-
-    def __len__(self) -> int:
-        return len(self._pages)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._pages
-
-    def get(self, key: bytes, touch: bool = True) -> SsdPage | None:
-        page = self._pages.get(key)
-        if page is not None and touch:
-            self._pages.move_to_end(key)
-        return page
 
     @property
     def full(self) -> bool:
@@ -216,8 +206,7 @@ class SsdTier:
         except BaseException:
             self._alloc.free(slot)
             raise
-        page = self._pages[key] = SsdPage(slot, checksum, self._gen)
-        return page
+        return self._put(key, SsdPage(slot, checksum, self._gen))
 
     def read_into(self, key: bytes, out: np.ndarray | memoryview | bytearray) -> None:
         """Read and verify a page; on a checksum mismatch the page is dropped (DataLoss)."""
@@ -232,19 +221,7 @@ class SsdTier:
             )
 
     def remove(self, key: bytes, force: bool = False) -> SsdPage:
-        page = self._pages[key]
-        if page.pins and not force:
-            raise FailedPrecondition(f"ssd page {key.hex()} is pinned ({page.pins})")
-        del self._pages[key]
+        page = self._take(key, force)
         self.file.clear_record(page.slot)
         self._alloc.free(page.slot)
         return page
-
-    def lru_victim(self) -> bytes | None:
-        for key, page in self._pages.items():
-            if not page.pins:
-                return key
-        return None
-
-    def keys(self) -> list[bytes]:
-        return list(self._pages)

@@ -7,7 +7,6 @@ Every failure is an ``InvalidArgument`` whose message starts with the item's nam
 from __future__ import annotations
 
 import io
-import math
 import wave
 from dataclasses import dataclass
 
@@ -154,9 +153,3 @@ def to_pcm_s16(wave_f32: torch.Tensor) -> bytes:
     """Float samples in [-1, 1] → 16-bit little-endian PCM bytes."""
     x = torch.clamp(wave_f32, -1.0, 1.0) * 32767.0
     return x.round().to(torch.int16).numpy().astype("<i2").tobytes()
-
-
-def audio_tokens(num_samples: int, hop: int) -> int:
-    """Tokens an audio encoder with two stride-2 stages makes of ``num_samples``."""
-    frames = num_samples // hop + 1
-    return math.ceil(math.ceil(frames / 2) / 2)
