@@ -90,3 +90,25 @@ def test_without_the_decode_kv_copy_the_outputs_are_the_same(tiny: TinyModel) ->
     for rid in kept:
         assert kept[rid].tokens == gathered[rid].tokens
         torch.testing.assert_close(kept[rid].logits, gathered[rid].logits, atol=1e-5, rtol=0)
+
+
+def test_decode_kv_copy_keeps_a_contiguous_run_when_requests_leave() -> None:
+    """Requests leaving from either end of the batch leave the rest a run of the copy's
+    rows: used in place (no rebuild); one leaving from the middle, or a join, rebuilds."""
+    from omniflow_services.worker.engine.decode_kv import DecodeKV
+
+    dkv = DecodeKV(2, 1, 4, 4, torch.float32, torch.device("cpu"), 1 << 30)
+    tables = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    first = dkv.plan((1, 2, 3, 4), [5, 6, 7, 8], tables)
+    assert first is not None and first.rebuild and dkv.rebuilds == 1
+    first.k[0, 0, 2, 0, 0] = 42.0  # row 2 of the copy: request 3
+    tail = dkv.plan((2, 3, 4), [7, 8, 9], tables[1:])  # request 1 left: rows 1..3
+    assert tail is not None and not tail.rebuild and dkv.rebuilds == 1
+    assert tail.k.data_ptr() != first.k.data_ptr() and float(tail.k[0, 0, 1, 0, 0]) == 42.0
+    head = dkv.plan((2, 3), [8, 9], tables[1:3])  # request 4 left: rows 1..2
+    assert head is not None and not head.rebuild and float(head.k[0, 0, 1, 0, 0]) == 42.0
+    gap = dkv.plan((2,), [10], tables[1:2])  # a skipped step (context +2): rebuild
+    assert gap is not None and gap.rebuild and dkv.rebuilds == 2
+    middle = dkv.plan((5, 6, 7), [3, 3, 3], tables[:3])
+    assert middle is not None and middle.rebuild
+    assert dkv.plan((5, 7), [4, 4], [tables[0], tables[2]]).rebuild  # the middle one left

@@ -6,8 +6,10 @@ every layer at every step moves the whole batch's KV through memory twice per to
 out, then attention reads the copy); at 32 requests that was as expensive as the matmuls.
 While the set of decoding requests stays the same, each step adds exactly one token per
 request, so the gathered copy is kept and only the new token is written into it. Any change
-(a request joins, leaves, is preempted, or outgrows the reserved width) rebuilds the copy
-from the pool with one gather, which is what every step did before.
+(a request joins, is preempted, or outgrows the reserved width) rebuilds the copy from the
+pool with one gather, which is what every step did before. Requests that leave from either
+end of the batch (the first admitted finish first when they ask for as many tokens) cost
+nothing: the rest are a contiguous run of the copy's rows, used in place.
 
 The copy costs memory (layers x 2 x batch x width); above ``max_bytes`` the engine falls
 back to gathering every step.
@@ -62,6 +64,7 @@ class DecodeKV:
         self.max_bytes = max_bytes
         self._ids: tuple[int, ...] = ()
         self._lens: list[int] = []
+        self._row0 = 0  # the copy's row of self._ids[0]
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self.rebuilds = 0
@@ -78,14 +81,20 @@ class DecodeKV:
         dev = self.device
         longest = max(ctx)
         k, v = self._k, self._v
+        old = self._ids
+        # The rows of `ids` in the last batch: all of them, or a contiguous run of them.
+        at = old.index(ids[0]) if k is not None and ids[0] in old else -1
         keep = (
-            k is not None
-            and ids == self._ids
+            at >= 0
+            and old[at : at + len(ids)] == ids
             and longest <= k.shape[3]
-            and all(c - 1 == n for c, n in zip(ctx, self._lens, strict=True))
+            and all(c - 1 == n for c, n in zip(ctx, self._lens[at:], strict=False))
         )
         table = None
-        if not keep:
+        if keep:
+            self._row0 += at
+        else:
+            self._row0 = 0
             width = -(-(longest + SLACK) // ps) * ps
             if self._bytes(len(ids), width) > self.max_bytes:
                 self.clear()
@@ -103,11 +112,12 @@ class DecodeKV:
         assert k is not None and v is not None
         self._ids, self._lens = ids, list(ctx)
         used = min(-(-longest // ps) * ps, k.shape[3])
+        rows = slice(self._row0, self._row0 + len(ids))
         ctx_t = torch.tensor(ctx, device=dev)
         mask = (torch.arange(used, device=dev)[None, :] < ctx_t[:, None])[:, None, None, :]
         return DecodePlan(
-            k=k,
-            v=v,
+            k=k[:, :, rows],
+            v=v[:, :, rows],
             rebuild=not keep,
             rows=torch.arange(len(ids), device=dev),
             new_pos=ctx_t - 1,
@@ -117,5 +127,5 @@ class DecodeKV:
         )
 
     def clear(self) -> None:
-        self._ids, self._lens = (), []
+        self._ids, self._lens, self._row0 = (), [], 0
         self._k = self._v = None
