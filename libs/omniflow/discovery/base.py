@@ -17,8 +17,9 @@ without deregistering looks exactly like one that died.
 from __future__ import annotations
 
 import abc
+import asyncio
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -113,6 +114,60 @@ class ServiceInstance:
 def sorted_instances(instances: list[ServiceInstance]) -> list[ServiceInstance]:
     """Canonical order (by instance id), so that two listings compare equal."""
     return sorted(instances, key=lambda inst: inst.instance_id)
+
+
+class KeepAlive:
+    """The registrations a TTL backend keeps alive: each instance with its TTL, and the
+    background task that refreshes it (shared by the Redis and Consul backends)."""
+
+    def __init__(self, backend: str) -> None:
+        self._backend = backend
+        self.registered: dict[str, tuple[ServiceInstance, float]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.closed = False
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise DiscoveryError(f"{self._backend} discovery registry is closed")
+
+    def begin(self, instance: ServiceInstance, ttl_s: float) -> None:
+        """Before a (re-)registration: the registry is open, the TTL positive, and the
+        instance's old refresher stopped."""
+        self.check_open()
+        if not ttl_s > 0:
+            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s!r}")
+        self.stop(instance.instance_id)
+
+    def keep(
+        self, instance: ServiceInstance, ttl_s: float, refresh: Coroutine[Any, Any, None] | None
+    ) -> None:
+        """Remember a registration and run its refresher (when the backend needs one)."""
+        iid = instance.instance_id
+        self.registered[iid] = (instance, ttl_s)
+        if refresh is not None:
+            self._tasks[iid] = asyncio.create_task(refresh, name=f"discovery-refresh-{iid}")
+
+    def stop(self, instance_id: str) -> None:
+        task = self._tasks.pop(instance_id, None)
+        if task is not None:
+            task.cancel()
+
+    def forget(self, instance_id: str) -> tuple[ServiceInstance, float] | None:
+        """Stop refreshing ``instance_id``; its registration as it was, if this process made it."""
+        self.stop(instance_id)
+        return self.registered.pop(instance_id, None)
+
+    async def close(self) -> bool:
+        """Cancel every refresher and wait for them; False when closed already."""
+        if self.closed:
+            return False
+        self.closed = True
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return True
 
 
 class Registry(abc.ABC):

@@ -40,6 +40,7 @@ import requests
 
 from omniflow.discovery.base import (
     DiscoveryError,
+    KeepAlive,
     Registry,
     ServiceInstance,
     check_name,
@@ -121,11 +122,9 @@ class ConsulRegistry(Registry):
         self._client = self._new_client()
         # requests.Session is not documented thread-safe: one call at a time per client.
         self._client_lock = threading.Lock()
-        self._registered: dict[str, tuple[ServiceInstance, float]] = {}
-        self._refreshers: dict[str, asyncio.Task[None]] = {}
+        self._alive = KeepAlive("consul")
         # Blocking queries park a thread for up to watch_wait_s each.
         self._watch_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="consul-watch")
-        self._closed = False
 
     def _new_client(self) -> consul.Consul:
         return consul.Consul(
@@ -167,10 +166,6 @@ class ConsulRegistry(Registry):
             raise DiscoveryError(
                 f"consul at {self._address}: {what} failed: {type(exc).__name__}: {exc}"
             ) from exc
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DiscoveryError("consul discovery registry is closed")
 
     def _check_id(self, instance_id: str) -> str:
         return f"omniflow:{instance_id}"
@@ -247,29 +242,17 @@ class ConsulRegistry(Registry):
             except DiscoveryError as exc:
                 log.warning("refresh of %s failed: %s", instance.instance_id, exc)
 
-    def _stop_refresher(self, instance_id: str) -> None:
-        task = self._refreshers.pop(instance_id, None)
-        if task is not None:
-            task.cancel()
-
     async def register(self, instance: ServiceInstance, ttl_s: float) -> None:
-        self._check_open()
-        if not ttl_s > 0:
-            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s!r}")
-        self._stop_refresher(instance.instance_id)
+        self._alive.begin(instance, ttl_s)
         await self._register_once(instance, ttl_s)
-        self._registered[instance.instance_id] = (instance, ttl_s)
-        if self._check == "ttl":
-            self._refreshers[instance.instance_id] = asyncio.create_task(
-                self._refresh_loop(instance, ttl_s),
-                name=f"discovery-refresh-{instance.instance_id}",
-            )
+        # A gRPC check is the agent's to make; a TTL check is ours to keep passing.
+        refresh = self._refresh_loop(instance, ttl_s) if self._check == "ttl" else None
+        self._alive.keep(instance, ttl_s, refresh)
 
     async def deregister(self, instance_id: str) -> None:
-        self._check_open()
+        self._alive.check_open()
         check_name("instance id", instance_id)
-        self._stop_refresher(instance_id)
-        self._registered.pop(instance_id, None)
+        self._alive.forget(instance_id)
         # A 404 (unknown id) comes back as False: nothing to remove, which is fine.
         await self._call(
             f"deregister {instance_id}",
@@ -295,7 +278,7 @@ class ConsulRegistry(Registry):
         return str(index_out), sorted_instances(out)
 
     async def list(self, service: str) -> list[ServiceInstance]:
-        self._check_open()
+        self._alive.check_open()
         check_name("service name", service)
         _, instances = await self._call(
             f"list {service}", lambda: self._health(self._client, service, None, None)
@@ -303,7 +286,7 @@ class ConsulRegistry(Registry):
         return instances
 
     async def watch(self, service: str) -> AsyncIterator[list[ServiceInstance]]:
-        self._check_open()
+        self._alive.check_open()
         check_name("service name", service)
         # A blocking query holds its connection for up to watch_wait_s: own client and lock.
         client, lock = self._new_client(), threading.Lock()
@@ -316,7 +299,7 @@ class ConsulRegistry(Registry):
         )
         yield last
         backoff = 0.1
-        while not self._closed:
+        while not self._alive.closed:
             try:
                 new_index, current = await self._call(
                     f"watch {service}",
@@ -343,14 +326,8 @@ class ConsulRegistry(Registry):
                 yield current
 
     async def close(self) -> None:
-        if self._closed:
+        if not await self._alive.close():
             return
-        self._closed = True
-        tasks = list(self._refreshers.values())
-        self._refreshers.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         # A blocking query in flight cannot be interrupted; its thread ends by itself
         # within watch_wait_s, and its watch stops at its next turn.
         self._watch_pool.shutdown(wait=False, cancel_futures=True)

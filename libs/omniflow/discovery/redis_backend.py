@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 
 from omniflow.discovery.base import (
     DiscoveryError,
+    KeepAlive,
     Registry,
     ServiceInstance,
     check_name,
@@ -97,10 +98,8 @@ class RedisRegistry(Registry):
         # connection is stale once: reconnect and retry. All our writes are idempotent.
         self._redis: aioredis.Redis = redis_client(url, timeout_s, decode_responses=True)
         self._list_script = self._redis.register_script(_LIST_SCRIPT)
-        self._registered: dict[str, tuple[ServiceInstance, float]] = {}
-        self._refreshers: dict[str, asyncio.Task[None]] = {}
+        self._alive = KeepAlive("redis")
         self._pubsubs: set[Any] = set()
-        self._closed = False
 
     # -- keys -----------------------------------------------------------------
 
@@ -125,10 +124,6 @@ class RedisRegistry(Registry):
                 f"redis discovery at {_redact(self._url)}: {what} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DiscoveryError("redis discovery registry is closed")
 
     async def _write(self, instance: ServiceInstance, ttl_s: float, announce: bool) -> None:
         pipe = self._redis.pipeline(transaction=True)
@@ -155,26 +150,15 @@ class RedisRegistry(Registry):
                     "refresh of %s/%s failed: %s", instance.service, instance.instance_id, exc
                 )
 
-    def _stop_refresher(self, instance_id: str) -> None:
-        task = self._refreshers.pop(instance_id, None)
-        if task is not None:
-            task.cancel()
-
     # -- Registry -------------------------------------------------------------
 
     async def register(self, instance: ServiceInstance, ttl_s: float) -> None:
-        self._check_open()
-        if not ttl_s > 0:
-            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s!r}")
-        self._stop_refresher(instance.instance_id)
-        previous = self._registered.get(instance.instance_id)
+        self._alive.begin(instance, ttl_s)
+        previous = self._alive.registered.get(instance.instance_id)
         if previous is not None and previous[0].service != instance.service:
             await self.deregister(instance.instance_id)
         await self._write(instance, ttl_s, announce=True)
-        self._registered[instance.instance_id] = (instance, ttl_s)
-        self._refreshers[instance.instance_id] = asyncio.create_task(
-            self._refresh_loop(instance, ttl_s), name=f"discovery-refresh-{instance.instance_id}"
-        )
+        self._alive.keep(instance, ttl_s, self._refresh_loop(instance, ttl_s))
 
     async def _find_service(self, instance_id: str) -> list[str]:
         """Services that hold a key for ``instance_id`` (an id registered by another process)."""
@@ -192,10 +176,9 @@ class RedisRegistry(Registry):
         return await self._run(f"lookup of {instance_id}", scan())
 
     async def deregister(self, instance_id: str) -> None:
-        self._check_open()
+        self._alive.check_open()
         check_name("instance id", instance_id)
-        self._stop_refresher(instance_id)
-        known = self._registered.pop(instance_id, None)
+        known = self._alive.forget(instance_id)
         services = [known[0].service] if known else await self._find_service(instance_id)
         for service in services:
             pipe = self._redis.pipeline(transaction=True)
@@ -205,7 +188,7 @@ class RedisRegistry(Registry):
             await self._run(f"deregister {service}/{instance_id}", pipe.execute())
 
     async def list(self, service: str) -> list[ServiceInstance]:
-        self._check_open()
+        self._alive.check_open()
         check_name("service name", service)
         raw = await self._run(
             f"list {service}",
@@ -237,7 +220,7 @@ class RedisRegistry(Registry):
                 return
 
     async def watch(self, service: str) -> AsyncIterator[list[ServiceInstance]]:
-        self._check_open()
+        self._alive.check_open()
         check_name("service name", service)
         pubsub = self._redis.pubsub()
         self._pubsubs.add(pubsub)
@@ -246,9 +229,9 @@ class RedisRegistry(Registry):
             await self._run(f"subscribe to {service}", pubsub.subscribe(self._channel(service)))
             last = await self.list(service)
             yield last
-            while not self._closed:
+            while not self._alive.closed:
                 await self._wait_for_notice(pubsub, self._poll_interval_s)
-                if self._closed:
+                if self._alive.closed:
                     break
                 try:
                     current = await self.list(service)
@@ -264,14 +247,8 @@ class RedisRegistry(Registry):
                 await pubsub.aclose()
 
     async def close(self) -> None:
-        if self._closed:
+        if not await self._alive.close():
             return
-        self._closed = True
-        tasks = list(self._refreshers.values())
-        self._refreshers.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         for pubsub in list(self._pubsubs):
             with contextlib.suppress(RedisError, OSError):
                 await pubsub.aclose()
