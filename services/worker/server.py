@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -88,6 +89,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         llm = self.app.core.require_llm()
         params = sampling_params(request.sampling, self.app.settings.default_max_tokens)
+        if request.return_logprobs and not params.logprobs:  # the deprecated spelling
+            params = replace(params, logprobs=True)
         if request.prefill_only:
             params = SamplingParams(max_tokens=1, temperature=0.0)
         rid = llm.request_id(request.request_id)
@@ -218,7 +221,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             operations=list(core.operations),
             healthy=True,
         )
-        return worker_pb2.GetInfoResponse(info=info)
+        if core.llm is None:  # no KV pages: no layout
+            return worker_pb2.GetInfoResponse(info=info)
+        layout = layout_to_proto(core.llm.engine.layout)
+        return worker_pb2.GetInfoResponse(info=info, kv_layout=layout)
 
 
 class WorkerApp(ServiceApp):

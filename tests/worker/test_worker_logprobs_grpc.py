@@ -87,3 +87,37 @@ async def test_logprobs_over_grpc_equal_transformers(worker) -> None:  # type: i
         torch.testing.assert_close(
             torch.tensor(list(top.logprobs)), torch.topk(ref[pos], 3).values, atol=1e-4, rtol=0
         )
+
+
+async def test_return_logprobs_and_the_kv_layout_in_get_info(worker) -> None:  # type: ignore[no-untyped-def]
+    """The deprecated ``return_logprobs`` still asks for logprobs (as ``sampling.logprobs``);
+    GetInfo carries the engine's KV layout, the same one LoadModel reports."""
+    host, _ = worker
+    prompt = list(range(5, 25))
+    async with open_channel(host.address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        reply = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+        plain = worker_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=prompt),
+            sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        )
+        asked = worker_pb2.GenerateRequest()
+        asked.CopyFrom(plain)
+        asked.return_logprobs = True
+        without = [c async for c in stub.Generate(plain, timeout=30)]
+        with_lp = [c async for c in stub.Generate(asked, timeout=30)]
+    engine = host.app.core.llm.engine
+    layout = reply.kv_layout
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size) == (
+        engine.layout.num_layers,
+        engine.layout.num_kv_heads,
+        engine.layout.head_dim,
+        engine.layout.page_size,
+    )
+    assert layout.dtype == engine.layout.dtype and layout.model_id == engine.layout.model_id
+    assert reply.info.kv_namespace == engine.layout.namespace_hex
+    assert [lp for c in without for lp in c.logprobs] == []
+    tokens = [t for c in with_lp for t in c.token_ids]
+    logprobs = [lp for c in with_lp for lp in c.logprobs]
+    assert tokens == [t for c in without for t in c.token_ids]
+    assert len(logprobs) == len(tokens) == 4 and all(lp <= 0.0 for lp in logprobs)
