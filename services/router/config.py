@@ -41,6 +41,9 @@ class RouterSettings(CommonSettings):
         choices=("grpc", "redis", "off"),
     )
     kv_index_addr: str = peer_address("OMNIFLOW_KV_INDEX_ADDR", "kv-index address")
+    kv_key_prefix: str = setting(
+        "OMNIFLOW_KV_KEY_PREFIX", "of:kv:", "prefix of the index's Redis keys"
+    )  # the kv-index's own setting: the router's redis path reads the same keys
     kv_index_timeout_s: float = setting(
         "OMNIFLOW_ROUTER_KV_INDEX_TIMEOUT_S",
         0.05,

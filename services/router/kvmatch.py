@@ -74,9 +74,9 @@ class RedisPrefixIndex:
     """The index core (``omniflow.kv.index_store.KVIndex``) on the index's Redis; every
     command has ``timeout_s`` as its socket deadline."""
 
-    def __init__(self, redis_url: str, timeout_s: float) -> None:
+    def __init__(self, redis_url: str, timeout_s: float, key_prefix: str = "of:kv:") -> None:
         self._redis = redis_client(redis_url, timeout_s)
-        self._index = KVIndex(self._redis)
+        self._index = KVIndex(self._redis, prefix=key_prefix)
         self._started = False
         self._lock = asyncio.Lock()
 

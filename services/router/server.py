@@ -275,7 +275,8 @@ class RouterApp(ServiceApp):
         if self.settings.kv_index == "grpc":
             self.index = GrpcPrefixIndex(self._index_address)
         elif self.settings.kv_index == "redis":
-            self.index = RedisPrefixIndex(self.settings.redis_url, self.settings.kv_index_timeout_s)
+            s = self.settings
+            self.index = RedisPrefixIndex(s.redis_url, s.kv_index_timeout_s, s.kv_key_prefix)
         first = asyncio.get_running_loop().create_future()
         self._tasks.append(asyncio.create_task(self._follow(runtime, first)))
         # SERVING only once the first listing of workers is in.

@@ -1,0 +1,53 @@
+"""The router's direct Redis path reads the index's keys through the library's store, under
+the index's key prefix and with a socket deadline on its client."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from omniflow.errors import NotFound
+from omniflow.kv.blocks import KVLayout, block_hashes
+from omniflow.kv.events import BlockEntry, Tier
+from omniflow.kv.index_store import KVIndex, OwnerInfo, OwnerKind
+from omniflow.localredis import RedisProcess
+from omniflow_services.router.kvmatch import RedisPrefixIndex
+
+LAYOUT = KVLayout("test/model", 2, 2, 8, "float16", 4)
+CHAIN = block_hashes(LAYOUT.namespace, list(range(4 * 6)), 4)  # 6 blocks
+
+
+async def test_redis_path_answers_under_the_index_prefix(redis_server: RedisProcess) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    client = aioredis.Redis.from_url(redis_server.url)
+    index = KVIndex(client, prefix=prefix)
+    router = RedisPrefixIndex(redis_server.url, timeout_s=2.0, key_prefix=prefix)
+    other = RedisPrefixIndex(redis_server.url, timeout_s=2.0, key_prefix=f"u{prefix}")
+    try:
+        await index.start()
+        await index.register_namespace(LAYOUT)
+        lease = await index.register_owner(
+            OwnerInfo("agent-n0", "n0", "127.0.0.1:7000", OwnerKind.AGENT)
+        )
+        entries = [BlockEntry(LAYOUT.namespace, h, Tier.HOST) for h in CHAIN[:4]]
+        await index.snapshot("agent-n0", lease.epoch, entries)
+
+        owners = await router.match(LAYOUT.namespace.hex(), CHAIN)
+        assert [(o.owner_id, o.kind, o.node, o.matched_blocks) for o in owners] == [
+            ("agent-n0", "agent", "n0", 4)
+        ]
+        assert owners[0].blocks_per_tier == (0, 4, 0)
+        # Every command of the router's client has a deadline.
+        kwargs = router._redis.connection_pool.connection_kwargs
+        assert kwargs["socket_timeout"] == 2.0
+        # Under another prefix the namespace is unknown: nothing is read from these keys.
+        with pytest.raises(NotFound):
+            await other.match(LAYOUT.namespace.hex(), CHAIN)
+    finally:
+        await router.close()
+        await other.close()
+        async for key in client.scan_iter(match=f"{prefix}*"):
+            await client.delete(key)
+        await client.aclose()
