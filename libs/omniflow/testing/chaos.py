@@ -21,7 +21,9 @@ Each request ends as one of:
   the retries ran out), or a run still RUNNING in Redis once the adoption window passed.
 
 Recovery: seconds from the kill until a fresh request of each kind (submitted after the
-kill, no retries) succeeds; probed every ``probe_interval_s`` for up to ``window_s``.
+kill, no retries) succeeds; probed every ``probe_interval_s`` for up to ``window_s``. The
+``none`` target kills nothing: its recovery is what the load alone costs a fresh request
+(with real workers on few cores, the queue it waits behind), the baseline of the others.
 """
 
 from __future__ import annotations
@@ -51,11 +53,31 @@ from omniflow.security.local import use_local_security
 from omniflow.security.transport import configure as configure_security
 
 KILL_ORDER = ("llm-1", "kv-agent", "router", "coordinator", "kv-index", "redis")
+#: A target that kills nothing: the control phase (the same load, its "recovery" is how
+#: long a fresh request waits behind the load alone).
+NO_FAULT = "none"
 WORKFLOW = "chaos"
 # A well-behaved client's retries: backoff doubling from 0.25 s, capped at 2 s, six times
 # (about 8 s in all: a single restarted service is back within the 10 s window).
 RETRIES = 6
 MAX_BACKOFF_S = 2.0
+
+
+# Prompts for a real model: a shared context several KV pages long (16 tokens a page), so
+# that requests reuse pages through the kv-agent and a worker restarted mid-phase reads
+# them back; each ends where a greedy continuation of a few tokens is plain text.
+_CONTEXT = (
+    "Omni-Flow is a system of small services. A router picks a worker for each call, a "
+    "coordinator runs workflows made of such calls, and every node keeps a cache of the "
+    "attention keys and values of recent prompts, so that a prompt that starts like an "
+    "earlier one does not have to be computed again. "
+)
+REAL_PROMPTS = [
+    _CONTEXT + "In one sentence, the router's job is to",
+    _CONTEXT + "The three primary colors are",
+    _CONTEXT + "Once upon a time, in a small village,",
+    _CONTEXT + "Q: What is the capital of France?\nA:",
+]
 
 
 def chaos_workflow(max_tokens: int = 0) -> Workflow:
@@ -324,7 +346,8 @@ async def run_phase(
         )
         tasks.append(asyncio.create_task(kind(prompt)))
         if i == requests // 3:
-            topo.kill(target)
+            if target != NO_FAULT:
+                topo.kill(target)
             recovery = asyncio.create_task(
                 _recovery(load, time.monotonic(), window_s, probe_interval_s)
             )
@@ -404,8 +427,9 @@ async def chaos(
                 topo, client, max_tokens=tokens, timeout_s=30.0 if model else 10.0,
                 probe_timeout_s=10.0 if model else 3.0,
             )  # fmt: skip
-            for i in range(4):  # the answers, recorded before any fault
-                prompt = f"q{i} how are the pages today"
+            # The answers, recorded before any fault.
+            prompts = REAL_PROMPTS if model else [f"q{i} how are the pages today" for i in range(4)]
+            for prompt in prompts:
                 result = await client.run(WORKFLOW, {"prompt": prompt})
                 if not result.ok:
                     raise RuntimeError(f"baseline run failed: {result.error}")
