@@ -35,6 +35,13 @@ class WorkerSettings(CommonSettings):
     default_max_tokens: int = setting(
         "OMNIFLOW_WORKER_DEFAULT_MAX_TOKENS", 64, "max_tokens when a request sets 0", minimum=1
     )
+    max_prompt_bytes: int = setting(
+        "OMNIFLOW_WORKER_MAX_PROMPT_BYTES",
+        1 << 20,
+        "largest text or chat-messages prompt, in bytes, refused before it is tokenized (the "
+        "context length bounds its tokens after)",
+        minimum=1,
+    )
     engine: str = setting(
         "OMNIFLOW_WORKER_ENGINE",
         "torch",

@@ -24,6 +24,7 @@ from omniflow.localredis import start_redis
 HOST_BYTES = 4 * 1024 * 1024
 MAX_INLINE = 256 * 1024  # the coordinator's inline-input bound, small so that past it is cheap
 MAX_BODY = 256 * 1024  # the gateway's body bound
+MAX_PROMPT = 256 * 1024  # the llm worker's prompt bound
 #: Development transport: plaintext, no auth, no token or certificates from the caller's env.
 PLAIN = {
     "OMNIFLOW_TLS": "off", "OMNIFLOW_AUTH": "off", "OMNIFLOW_TOKEN": "", "OMNIFLOW_TLS_CA": "",
@@ -83,6 +84,7 @@ def fuzz_topology(
             OMNIFLOW_KV_AGENT_ADDR=agent.address,
             OMNIFLOW_WORKER_KV_BYTES=str(8 * 1024 * 1024),
             OMNIFLOW_WORKER_TORCH_THREADS="1",
+            OMNIFLOW_WORKER_MAX_PROMPT_BYTES=str(MAX_PROMPT),
         )
         router = launch(
             "omniflow_services.router",

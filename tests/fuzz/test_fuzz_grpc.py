@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import grpc
 import pytest
-from conftest import MAX_INLINE, FuzzTopology
+from conftest import MAX_INLINE, MAX_PROMPT, FuzzTopology
 from fuzzer import Skip, Tally, Templates, fuzz, fuzz_requests, report
 from google.protobuf import descriptor as gdesc
 
@@ -232,10 +232,23 @@ async def test_fuzz_llm_worker(fuzz_topology: FuzzTopology) -> None:
         topo,
         "llm-1",
         [_service(worker_pb2, "WorkerService")],
-        sizes=(64 << 10, 1 << 20),
+        sizes=(64 << 10, MAX_PROMPT, MAX_PROMPT + 1, 1 << 20),
         templates=_worker_templates(),
     )
     assert await _generate(topo.addr("llm-1")) == before
+    # Found by the fuzz (issue 11: 20 MB took 16 s and 4.6 GB to tokenize): a prompt past
+    # the bound is refused before tokenizing, naming the setting; at the bound it is
+    # tokenized and the context length refuses it.
+    async with open_channel(topo.addr("llm-1")) as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        for size, says in ((MAX_PROMPT + 1, "OMNIFLOW_WORKER_MAX_PROMPT_BYTES"), (MAX_PROMPT, "")):
+            req = worker_pb2.GenerateRequest(text="z" * size)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Generate(req, timeout=60):
+                    pass
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            details = info.value.details() or ""
+            assert says in details if says else "context length" in details, details
 
 
 # -- the router: its own service and the worker proxy; the worker is still listed and picked.
