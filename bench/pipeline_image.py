@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from omniflow.client import Client, RunResult
+from omniflow.dsl import VType, Workflow
 from omniflow.models.resolve import resolve_model
 from omniflow.testing.nodes import Nodes, WorkerSpec, start_nodes
 
@@ -94,6 +95,23 @@ async def _run(client: Client, nodes: Nodes, v: Variant, prompt: str, size: dict
         v.local.append(nodes.node_of.get(prefill) == nodes.node_of.get(draw))
 
 
+def _pages_only(name: str, placement: str) -> Workflow:
+    """prefill_only then generate_image at once: the placement alone, no rewrite."""
+    wf = Workflow(name, deadline_ms=120_000)
+    pre = wf.call("prefill", "llm", "generate", prompt=wf.input("prompt", VType.TEXT),
+                  params={"chat": True, "prefill_only": True})  # fmt: skip
+    draw = wf.call("draw", "diffusion", "generate_image", pages=pre["pages"],
+                   width=wf.input("width", VType.INT), height=wf.input("height", VType.INT),
+                   steps=wf.input("steps", VType.INT), strategy=placement)  # fmt: skip
+    wf.output("prompt_tokens", draw["prompt_tokens"])
+    wf.output("cached_prompt_tokens", draw["cached_prompt_tokens"])
+    return wf
+
+
+def _long_prompt(variant: int, i: int) -> str:
+    return " ".join(_prompt(variant * 7 + j, i) for j in range(5))
+
+
 def _models_dir() -> Path:
     return Path(os.path.expanduser(os.environ.get("OMNIFLOW_MODELS_DIR", DEFAULT_MODELS)))
 
@@ -111,8 +129,10 @@ def _topology(model: str) -> dict[str, list[WorkerSpec]]:
 
 def _rows(variants: dict[str, Variant], model: str) -> list[list[str]]:
     kv, rr, rc = variants["kv_aware"], variants["round_robin"], variants["recompute"]
+    pk, pr = variants["pages_kv_aware"], variants["pages_round_robin"]
     med = statistics.median
     work = f"imagegen ({model}, 2 nodes)"
+    only = f"prefill_only -> diffusion ({model}, 2 nodes)"
 
     def row(workload: str, metric: str, value: float, base: float, fmt: str) -> list[str]:
         ratio = f"{value / base:.2f}" if base else "-"
@@ -135,6 +155,12 @@ def _rows(variants: dict[str, Variant], model: str) -> list[list[str]]:
             med(rr.draw_ms), ".0f"),
         row(work, "end-to-end p50 ms (kv_aware vs round_robin)", med(kv.e2e_ms),
             med(rr.e2e_ms), ".0f"),
+        row(only, "diffusion on the pages' node (kv_aware vs round_robin)",
+            sum(pk.local) / len(pk.local), sum(pr.local) / len(pr.local), ".2f"),
+        row(only, "prompt tokens pulled, mean share (kv_aware vs round_robin)",
+            statistics.mean(pk.cached), statistics.mean(pr.cached), ".2f"),
+        row(only, "diffusion call p50 ms (kv_aware vs round_robin)", med(pk.draw_ms),
+            med(pr.draw_ms), ".0f"),
     ]  # fmt: skip
 
 
@@ -174,6 +200,14 @@ async def measure(args: Any) -> list[list[str]]:
             for i in range(runs):
                 for k, v in enumerate(variants.values()):
                     await _run(client, nodes, v, _prompt(k, i), size)
+            # The placement alone, twice as many runs (they are short).
+            pages = {p: Variant(f"pages_{p}", p, True) for p in ("kv_aware", "round_robin")}
+            for v in pages.values():
+                await client.register(_pages_only(v.name, v.placement))
+            for i in range(2 * runs):
+                for k, v in enumerate(pages.values()):
+                    await _run(client, nodes, v, _long_prompt(k, i), size)
+            variants.update({v.name: v for v in pages.values()})
     finally:
         await asyncio.to_thread(nodes.stop)
     return _rows(variants, model)
