@@ -78,8 +78,8 @@ MODULE_PATH = __name__
 CLASS_NAME = "OmniflowConnector"
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 RETRY_S = 5.0
-# A finished lookup answers vLLM's later asks for the same request for this long (vLLM asks
-# again when it could not allocate the request's blocks in that step).
+# A finished lookup answers vLLM's asks for the same request for this long after its first
+# answer (vLLM asks again when it could not allocate the request's blocks in that step).
 LOOKUP_FRESH_S = 2.0
 LOOKUP_THREADS = 4
 
@@ -213,7 +213,7 @@ class _Lookup:
 
     first: int
     future: Future[int]  # how many leading pages of the ask the agents hold
-    started: float
+    answered: float = 0.0  # when its result was first handed to vLLM
 
 
 @dataclass(slots=True)
@@ -357,7 +357,9 @@ class OmniflowConnector(KVConnectorBase_V1):
         if lk is not None and lk.first <= first:
             if not lk.future.done():
                 return None
-            if time.monotonic() - lk.started <= LOOKUP_FRESH_S:
+            now = time.monotonic()
+            lk.answered = lk.answered or now  # however long it ran, its first answer counts
+            if now - lk.answered <= LOOKUP_FRESH_S:
                 try:
                     held = lk.future.result()
                 except Exception as exc:  # the agent is an accelerator: recompute
@@ -371,9 +373,7 @@ class OmniflowConnector(KVConnectorBase_V1):
             self._lookup_pool = ThreadPoolExecutor(
                 LOOKUP_THREADS, thread_name_prefix="omniflow-kv-lookup"
             )
-        self._lookups[rid] = _Lookup(
-            first, self._lookup_pool.submit(self._lookup, hashes), time.monotonic()
-        )
+        self._lookups[rid] = _Lookup(first, self._lookup_pool.submit(self._lookup, hashes))
         self.stats["lookups"] += 1
         return None
 
