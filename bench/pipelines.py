@@ -111,20 +111,30 @@ def _espeak(text: str) -> bytes:
 
 
 async def _timed(client: Client, workflow: str, inputs: dict[str, Any]) -> tuple[RunResult, dict]:
-    """The run, its wall time and the time of its first PCM chunk (ms from submit)."""
+    """The run and its times (ms): ``wall`` from submit to the end, ``first`` to its first
+    PCM chunk, ``llm`` the answer's call, ``talker`` the talker's calls summed, ``calls``
+    how many talker calls there were."""
     started = time.perf_counter()
-    first: list[float] = []
+    t: dict[str, float] = {"llm": 0.0, "talker": 0.0, "calls": 0.0}
 
     def on(ev: cpb.RunEvent) -> None:
-        if not first and ev.WhichOneof("event") == "node_output":
+        kind = ev.WhichOneof("event")
+        if kind == "node_output" and "first" not in t:
             if ev.node_output.node == "speak" and ev.node_output.output == "pcm":
-                first.append((time.perf_counter() - started) * 1e3)
+                t["first"] = (time.perf_counter() - started) * 1e3
+        elif kind == "node_finished" and ev.node_finished.node in ("answer", "speak"):
+            if ev.node_finished.node == "answer":
+                t["llm"] += ev.node_finished.duration_ms
+            else:
+                t["talker"] += ev.node_finished.duration_ms
+                t["calls"] += 1
 
     result = await client.run(workflow, inputs, on_event=on)
     if not result.ok:
         raise RuntimeError(f"{workflow} failed: {result.error}")
-    wall = (time.perf_counter() - started) * 1e3
-    return result, {"wall": wall, "first": first[0] if first else wall}
+    t["wall"] = (time.perf_counter() - started) * 1e3
+    t.setdefault("first", t["wall"])
+    return result, t
 
 
 def _med(xs: list[float]) -> float:
@@ -154,8 +164,7 @@ async def measure_chat(args: Any) -> list[list[str]]:
         "omni_chat_long": variant(chat, "omni_chat_long", max_tokens=long),
         "omni_chat_long_wait": variant(chat, "omni_chat_long_wait", wait=True, max_tokens=long),
     }
-    first: dict[str, list[float]] = {k: [] for k in typed}
-    wall: dict[str, list[float]] = {k: [] for k in typed}
+    times: dict[str, dict[str, list[float]]] = {k: {} for k in typed}
     spoken: list[float] = []
     e2e1: list[float] = []
     e2e2: list[float] = []
@@ -180,8 +189,8 @@ async def measure_chat(args: Any) -> list[list[str]]:
                 names = list(typed) if i % 2 == 0 else list(reversed(typed))  # drift alike
                 for name in names:
                     _, t = await _timed(client, name, q)
-                    first[name].append(t["first"])
-                    wall[name].append(t["wall"])
+                    for key, value in t.items():
+                        times[name].setdefault(key, []).append(value)
                 _, t = await _timed(client, "omni_chat", {"audio": question})
                 spoken.append(t["wall"])
                 ask = f"What is in this picture? ({i})"
@@ -203,17 +212,20 @@ async def measure_chat(args: Any) -> list[list[str]]:
         await asyncio.to_thread(nodes.stop)
         shutil.rmtree(root, ignore_errors=True)
     rows = []
-    for label, name in (
-        (f"{short} tokens", "omni_chat"),
-        (f"{long} tokens", "omni_chat_long"),
-    ):
-        head, base = _med(first[name]), _med(first[name + "_wait"])
+    for label, name in ((f"{short} tokens", "omni_chat"), (f"{long} tokens", "omni_chat_long")):
+        got, base = times[name], times[name + "_wait"]
+        head, late = _med(got["first"]), _med(base["first"])
         work = f"omni_chat typed, {label}"
         rows += [
-            _row(work, "first audio ms (phrases vs whole answer)", head, base, ".0f"),
-            _row(work, "first audio sooner x", base / head, None, ".1f"),
+            _row(work, "first audio ms (phrases vs whole answer)", head, late, ".0f"),
+            _row(work, "first audio sooner x", late / head, None, ".1f"),
             _row(work, "turn ms, all audio (phrases vs whole answer)",
-                 _med(wall[name]), _med(wall[name + "_wait"]), ".0f"),
+                 _med(got["wall"]), _med(base["wall"]), ".0f"),
+            _row(work, "llm call ms (phrases vs whole answer)",
+                 _med(got["llm"]), _med(base["llm"]), ".0f"),
+            _row(work, "talker ms, all calls (phrases vs whole answer)",
+                 _med(got["talker"]), _med(base["talker"]), ".0f"),
+            _row(work, "talker calls per answer", _med(got["calls"]), None, ".1f"),
         ]  # fmt: skip
     return [
         *rows,
