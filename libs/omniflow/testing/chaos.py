@@ -437,7 +437,8 @@ async def chaos(
                 load.expected_direct[prompt] = await load._generate_once(prompt, load.timeout_s)
             phases = []
             for target in targets:
-                log(f"phase: SIGKILL {target} under load ...")
+                kill = "no kill (control)" if target == NO_FAULT else f"SIGKILL {target}"
+                log(f"phase: {kill} under load ...")
                 phase = await run_phase(
                     topo, load, target, per_phase, window_s=window_s, spacing_s=spacing_s
                 )
