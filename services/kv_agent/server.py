@@ -23,6 +23,7 @@ import numpy as np
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
+from omniflow.discovery import find_address
 from omniflow.errors import (
     DataLoss,
     FailedPrecondition,
@@ -504,13 +505,8 @@ class KVAgentApp(ServiceApp):
             )
 
     async def _find_index(self) -> str:
-        if self.settings.index_addr:
-            return self.settings.index_addr
-        assert self.runtime is not None
-        instances = await self.runtime.registry.list("kv-index")
-        if not instances:
-            raise Unavailable("no kv-index in discovery")
-        return instances[0].address
+        registry = self.runtime.registry if self.runtime is not None else None
+        return await find_address(registry, "kv-index", configured=self.settings.index_addr)
 
     async def _upkeep_loop(self) -> None:
         while True:

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Sequence
 
 from omniflow.api.kvindex.v1 import kvindex_pb2
+from omniflow.discovery import find_address
 from omniflow.errors import Unavailable
 from omniflow.kv.blocks import KVLayout
 from omniflow.kv.connector import AgentConnector
@@ -65,13 +66,8 @@ class WorkerKV:
         self._task: asyncio.Task[None] | None = None
 
     async def _find(self, service: str, same_node: bool) -> str:
-        found = await self.runtime.registry.list(service)
-        if same_node:
-            found = [i for i in found if i.metadata.get("node") == self.runtime.node]
-        if not found:
-            where = f" on node {self.runtime.node!r}" if same_node else ""
-            raise Unavailable(f"no {service} registered{where}")
-        return found[0].address
+        rt = self.runtime
+        return await find_address(rt.registry, service, node=rt.node, same_node=same_node)
 
     async def _find_index(self) -> str:
         return self.index_address or await self._find("kv-index", same_node=False)

@@ -19,7 +19,8 @@ import numpy as np
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
-from omniflow.errors import InvalidArgument, Unavailable
+from omniflow.discovery import find_address
+from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import block_hashes
 from omniflow.kv.tensor_client import TensorClient
 from omniflow.rpc.client import open_channel
@@ -91,15 +92,13 @@ class MultimodalEdge:
 
     async def _pick(self, service: str, role: str = "") -> str:
         rt = self._runtime()
-        if rt is None:
-            raise Unavailable(f"no discovery at hand to find a {role or service}")
-        found = await rt.registry.list(service)
-        if role:
-            found = [i for i in found if worker_from_instance(i).role == role]
-        if not found:
-            raise Unavailable(f"no {role or service} is registered")
-        same = [i for i in found if i.metadata.get("node") == rt.node]
-        return (same or found)[0].address
+        return await find_address(
+            rt.registry if rt is not None else None,
+            service,
+            node=rt.node if rt is not None else "",
+            where=(lambda i: worker_from_instance(i).role == role) if role else None,
+            what=role,
+        )
 
     async def tensors(self) -> TensorClient:
         """The client of this node's kv-agent (settings first, then discovery)."""

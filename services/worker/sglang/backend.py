@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omniflow.discovery import find_address
 from omniflow.errors import FailedPrecondition
 from omniflow.finish import engine_finish
 from omniflow.kv.blocks import KVLayout
@@ -276,13 +277,9 @@ async def find_data_plane(settings: WorkerSettings) -> tuple[str, str]:
         log.warning("no discovery for the kv-agent (%s)", exc)
         return agent, index
     try:
-        if not agent:
-            node = settings.node_id or socket.gethostname()
-            agents = await registry.list("kv-agent")
-            mine = [a for a in agents if a.metadata.get("node") == node] or agents
-            agent = mine[0].address if mine else ""
-        indexes = await registry.list("kv-index")
-        index = indexes[0].address if indexes else ""
+        node = settings.node_id or socket.gethostname()
+        agent = await find_address(registry, "kv-agent", configured=agent, node=node)
+        index = await find_address(registry, "kv-index")
     except Exception as exc:  # the cache tier is optional: serve without it
         log.warning("kv-agent / kv-index discovery failed: %s", exc)
     finally:

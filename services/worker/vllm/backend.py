@@ -35,7 +35,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omniflow.errors import FailedPrecondition, InvalidArgument, Unavailable, Unimplemented
+from omniflow.discovery import find_address
+from omniflow.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from omniflow.finish import engine_finish
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.rpc.server import Runtime
@@ -311,12 +312,7 @@ class VLLMRole(BackendRole):
         known = self.config.index_address
 
         async def find_index() -> str:
-            if known:
-                return known
-            found = await runtime.registry.list("kv-index")
-            if not found:
-                raise Unavailable("no kv-index registered")
-            return found[0].address
+            return await find_address(runtime.registry, "kv-index", configured=known)
 
         index.start(runtime, find_index)
         return index
