@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from procs import ServiceProc
+from procs import ServiceProc, start_service, stop_all
 
 from omniflow.cli.certs import Bundle, make_bundle
 from omniflow.config import SecuritySettings
@@ -80,42 +77,15 @@ def _start(
     module: str, name: str, folder: Path, bundle: Bundle, redis: RedisProcess, **env: str
 ) -> ServiceProc:
     ident = SERVICES[name]
-    ready, log = folder / f"{name}.ready.json", folder / f"{name}.log"
     full = {
-        **os.environ,
         **bundle.env_for(ident),
         "OMP_NUM_THREADS": "1",
-        "OMNIFLOW_REDIS_URL": redis.url,
-        "OMNIFLOW_DISCOVERY": "redis",
-        "OMNIFLOW_PORT": "0",
-        "OMNIFLOW_METRICS_PORT": "-1",
-        "OMNIFLOW_READY_FILE": str(ready),
         "OMNIFLOW_INSTANCE_ID": ident.instance,
         "OMNIFLOW_NODE_ID": ident.node,
         **env,
+        "OMNIFLOW_TOKEN": "",  # services present certificates, never a caller's token
     }
-    full.pop("OMNIFLOW_TOKEN", None)
-    with open(log, "wb") as out:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", module],
-            env=full,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    return ServiceProc(name, popen, ready, log)
-
-
-def _stop(procs: list[ServiceProc]) -> None:
-    for proc in procs:
-        if proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            proc.popen.wait()
+    return start_service(module, name, tmp=folder, redis_url=redis.url, **full)
 
 
 @pytest.fixture(scope="module")
@@ -170,5 +140,5 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
         ).wait_ready(60)
         yield Secured(bundle, redis, procs, tokens)
     finally:
-        _stop(started)
+        stop_all(started)
         redis.stop()
