@@ -25,6 +25,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -209,14 +210,25 @@ def run_vllm(
     bind = ",".join(map(str, cores)) if cores else "auto"
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    proc = subprocess.run(
+    # A session of its own: on a timeout, vLLM's engine processes go with it (killing only
+    # the process we started would leave them running, orphaned).
+    proc = subprocess.Popen(
         [str(args.vllm_python), "-c", VLLM_SCRIPT, json.dumps(job)],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=args.vllm_timeout,
+        start_new_session=True,
     )
-    return _result(proc, "vLLM")
+    try:
+        out, err = proc.communicate(timeout=args.vllm_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(
+            f"vLLM did not finish within --vllm-timeout {args.vllm_timeout} s"
+        ) from None
+    return _result(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "vLLM")
 
 
 def bound_cores(threads: int) -> list[int]:

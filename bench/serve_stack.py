@@ -7,6 +7,7 @@ Used by ``bench/serve_openai.py`` (the load generator); nothing here measures an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -43,8 +44,14 @@ class Procs:
 
     def spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
         with open(self.dir / f"{name}.log", "wb") as log:
+            # A session (process group) each: vLLM's engine processes end with their server.
             proc = subprocess.Popen(
-                argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                argv,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         self.started.append(proc)
         return proc
@@ -77,15 +84,21 @@ class Procs:
         return json.loads(ready.read_text())
 
     def stop(self) -> None:
+        """SIGTERM each process group, wait for its leader (SIGKILL after 20 s), then end
+        whatever is left of the group (a server's engine processes)."""
         for p in reversed(self.started):
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
         for p in reversed(self.started):
             try:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                p.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
         self.started.clear()
 
 
