@@ -38,8 +38,8 @@ from omniflow.kv.blocks import KVLayout
 from omniflow.kv.events import BlockEntry, Tier
 from omniflow.kv.index_link import IndexLink
 from omniflow.kv.wire import check_hashes, parse_namespace, tier_from_proto, tier_to_proto
+from omniflow.rpc.context import failed_call
 from omniflow.rpc.server import Runtime, ServiceApp
-from omniflow.rpc.status import error_from_rpc
 from omniflow_services.kv_agent import metrics
 from omniflow_services.kv_agent.config import KVAgentSettings
 from omniflow_services.kv_agent.nixl_channel import NixlChannel, nixl_unavailable_reason
@@ -542,17 +542,10 @@ class KVAgentApp(ServiceApp):
 
     async def layout(self, namespace: bytes) -> KVLayout:
         try:
-            return await self.link.layout(namespace)
-        except grpc.aio.AioRpcError as exc:
-            err = error_from_rpc(exc)
-            if isinstance(err, NotFound):
-                raise NotFound(
-                    f"namespace {namespace.hex()} is not registered at the index"
-                ) from None
-            err.args = (
-                f"kv index: {err}",
-            )  # keeps its class (also an AioRpcError from the channel)
-            raise err from None
+            with failed_call("kv index"):
+                return await self.link.layout(namespace)
+        except NotFound:
+            raise NotFound(f"namespace {namespace.hex()} is not registered at the index") from None
 
     async def pool_for(self, namespace_hex: str) -> tuple[PagePool, bytes]:
         """The pool of a namespace (its page size comes from the index)."""

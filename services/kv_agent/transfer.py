@@ -28,8 +28,8 @@ from omniflow.errors import DataLoss, FailedPrecondition, InvalidArgument
 from omniflow.kv.arena import HEADER_BYTES
 from omniflow.kv.pages import ChunkOrder
 from omniflow.rpc.client import open_channel
+from omniflow.rpc.context import failed_call
 from omniflow.rpc.interceptors import TracedChannel
-from omniflow.rpc.status import error_from_rpc
 from omniflow_services.kv_agent import metrics
 from omniflow_services.kv_agent.nixl_channel import NixlChannel
 from omniflow_services.kv_agent.pools import PagePool
@@ -159,14 +159,8 @@ class Puller:
         self._stubs.clear()
 
     async def _remote(self, address: str, call: Awaitable[_T]) -> _T:
-        try:
+        with failed_call(f"source agent {address}"):
             return await call
-        except grpc.aio.AioRpcError as exc:
-            err = error_from_rpc(exc)
-            err.args = (
-                f"source agent {address}: {err}",
-            )  # keeps its class (also an AioRpcError from the channel)
-            raise err from None
 
     async def choose_channel(self, address: str, wanted: str) -> str:
         if wanted not in ("", "grpc", "nixl"):
@@ -317,12 +311,6 @@ class Puller:
 async def _iterate(
     call: AsyncIterator[kvagent_pb2.PageChunk], address: str
 ) -> AsyncIterator[kvagent_pb2.PageChunk]:
-    try:
+    with failed_call(f"source agent {address}"):
         async for chunk in call:
             yield chunk
-    except grpc.aio.AioRpcError as exc:
-        err = error_from_rpc(exc)
-        err.args = (
-            f"source agent {address}: {err}",
-        )  # keeps its class (also an AioRpcError from the channel)
-        raise err from None

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TypeVar
 
-import grpc
 import numpy as np
 
 from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
@@ -46,8 +45,8 @@ from omniflow.kv.checksum import page_checksum
 from omniflow.kv.pages import PageAssembler, PageData, as_bytes, page_chunks
 from omniflow.kv.wire import layout_to_proto
 from omniflow.rpc.client import open_channel
+from omniflow.rpc.context import failed_call
 from omniflow.rpc.interceptors import TracedChannel
-from omniflow.rpc.status import error_from_rpc
 
 log = logging.getLogger(__name__)
 
@@ -204,13 +203,11 @@ class KVClient:
     # --- calls ------------------------------------------------------------------------------
 
     async def _call(self, what: str, call: Awaitable[_T]) -> _T:
-        try:
+        with failed_call(what, self._count_error):
             return await call
-        except grpc.aio.AioRpcError as exc:
-            self.stats.errors += 1
-            err = error_from_rpc(exc)
-            err.args = (f"{what}: {err}",)  # keeps its class
-            raise err from None
+
+    def _count_error(self) -> None:
+        self.stats.errors += 1
 
     async def register_namespace(self, layout: KVLayout) -> bytes:
         """Register ``layout`` at the index (idempotent); returns its namespace."""
@@ -482,16 +479,9 @@ class KVClient:
                 namespace=namespace.hex(), block_hashes=hashes, chunk_bytes=self.chunk_bytes
             )
         )
-        try:
+        with failed_call("kv agent GetPages", self._count_error):
             async for chunk in call:
                 asm.feed(chunk)
-        except grpc.aio.AioRpcError as exc:
-            self.stats.errors += 1
-            err = error_from_rpc(exc)
-            err.args = (
-                f"kv agent GetPages: {err}",
-            )  # keeps its class (also an AioRpcError from the channel)
-            raise err from None
         self.stats.checksum_failures += asm.checksum_failures
         self.stats.streamed_gets += len(asm.pages)
         return [np.frombuffer(p, dtype=np.uint8) for p in asm.pages]

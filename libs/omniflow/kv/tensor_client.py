@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import grpc
 import numpy as np
 
 from omniflow.api.common.v1 import common_pb2
@@ -18,8 +17,8 @@ from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
 from omniflow.errors import DataLoss, InvalidArgument
 from omniflow.kv.checksum import page_checksum
 from omniflow.rpc.client import open_channel
+from omniflow.rpc.context import failed_call
 from omniflow.rpc.interceptors import TracedChannel
-from omniflow.rpc.status import error_from_rpc
 
 CHUNK_BYTES = 1024 * 1024
 DTYPES = ("float32", "float16", "int16", "int32", "int64", "uint8")
@@ -67,14 +66,8 @@ class TensorClient:
                 first = False
                 yield c
 
-        try:
+        with failed_call(f"kv agent {self.agent_address} PutTensor"):
             reply = await self._stub(self.agent_address).PutTensor(chunks())
-        except grpc.aio.AioRpcError as exc:
-            err = error_from_rpc(exc)
-            err.args = (
-                f"kv agent {self.agent_address} PutTensor: {err}",
-            )  # keeps its class (also an AioRpcError from the channel)
-            raise err from None
         return reply.ref
 
     async def get(self, ref: common_pb2.TensorRef) -> np.ndarray:
@@ -84,17 +77,11 @@ class TensorClient:
         if ref.dtype not in DTYPES:
             raise InvalidArgument(f"tensor dtype {ref.dtype!r} is not accepted; accepted: {DTYPES}")
         buf = bytearray()
-        try:
+        with failed_call(f"tensor {ref.handle} at {ref.address}"):
             async for c in self._stub(ref.address).GetTensor(
                 kvagent_pb2.GetTensorRequest(ref=ref, chunk_bytes=CHUNK_BYTES)
             ):
                 buf += c.data
-        except grpc.aio.AioRpcError as exc:
-            err = error_from_rpc(exc)
-            err.args = (
-                f"tensor {ref.handle} at {ref.address}: {err}",
-            )  # keeps its class (also an AioRpcError from the channel)
-            raise err from None
         if len(buf) != ref.size_bytes or page_checksum(buf) != ref.checksum:
             raise DataLoss(f"tensor {ref.handle} from {ref.address} failed its checksum")
         arr = np.frombuffer(bytes(buf), dtype=np.dtype(ref.dtype))
