@@ -10,12 +10,7 @@ import asyncio
 import hashlib
 import importlib.util
 import json
-import os
-import signal
 import struct
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,10 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from procs import ServiceProc, start_service, stop_all
 
 from omniflow.config import load_settings
 from omniflow.errors import FailedPrecondition, InvalidArgument
 from omniflow.kv.blocks import KVLayout, block_hashes
+from omniflow.kv.pages import PageAssembler, page_chunks
 from omniflow.localredis import start_redis
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
@@ -54,7 +51,6 @@ from omniflow_services.worker.sglang.pages import (
     namespace_model_id,
     sglang_page_keys,
 )
-from omniflow.kv.pages import PageAssembler, page_chunks
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 NS = KVLayout("m", num_layers=2, num_kv_heads=2, head_dim=8).namespace
@@ -350,66 +346,29 @@ class DataPlane:
     agent: str
 
 
-def _spawn(module: str, name: str, tmp: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
-    ready, log = tmp / f"{name}.ready.json", tmp / f"{name}.log"
-    full = {
-        **os.environ,
-        "OMNIFLOW_DISCOVERY": "redis",
-        "OMNIFLOW_PORT": "0",
-        "OMNIFLOW_METRICS_PORT": "-1",
-        "OMNIFLOW_READY_FILE": str(ready),
-        "OMNIFLOW_INSTANCE_ID": name,
-        **env,
-    }
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", f"omniflow_services.{module}"],
-            env=full,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    return proc, ready
-
-
-def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path) -> str:
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise AssertionError(f"exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        if ready.exists():
-            return json.loads(ready.read_text())["address"]
-        time.sleep(0.05)
-    raise AssertionError(f"not ready:\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def data_plane(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> Iterator[DataPlane]:
     """A real kv-index and kv-agent (separate processes) on a Redis of their own."""
     tmp = tmp_path_factory.mktemp("sglang-dp")
     redis = start_redis(dir=tmp / "redis", binary=redis_binary)
     tag = uuid.uuid4().hex[:8]
-    procs: list[subprocess.Popen] = []
+    procs: list[ServiceProc] = []
     try:
-        env = {"OMNIFLOW_REDIS_URL": redis.url}
-        p, ready = _spawn("kv_index", f"kvi-{tag}", tmp, env)
+        p = start_service("omniflow_services.kv_index", f"kvi-{tag}", tmp=tmp, redis_url=redis.url)
         procs.append(p)
-        index = _wait_ready(p, ready, tmp / f"kvi-{tag}.log")
-        agent_env = {**env, "OMNIFLOW_KV_INDEX_ADDR": index, "OMNIFLOW_KV_HOST_BYTES": "8388608"}
-        p, ready = _spawn("kv_agent", f"kva-{tag}", tmp, agent_env)
+        index = p.wait_ready(60).address
+        p = start_service(
+            "omniflow_services.kv_agent",
+            f"kva-{tag}",
+            tmp=tmp,
+            redis_url=redis.url,
+            OMNIFLOW_KV_INDEX_ADDR=index,
+            OMNIFLOW_KV_HOST_BYTES="8388608",
+        )
         procs.append(p)
-        agent = _wait_ready(p, ready, tmp / f"kva-{tag}.log")
-        yield DataPlane(index, agent)
+        yield DataPlane(index, p.wait_ready(60).address)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(procs, timeout_s=15)
         redis.stop()
 
 
