@@ -13,7 +13,7 @@ import io
 import numpy as np
 
 from omniflow.errors import InvalidArgument
-from omniflow_services.worker.mm.media import MediaInput
+from omniflow_services.worker.mm.media import MediaInput, check_bytes
 
 # What any rate argument may be; outside it resampling is more likely a mistake than a wish.
 MIN_RATE, MAX_RATE = 8000, 48000
@@ -26,12 +26,7 @@ def decode_audio(
     """Decode ``item`` and resample to ``sample_rate``: float32 mono samples in [-1, 1]."""
     import soundfile as sf
 
-    if not item.data:
-        raise InvalidArgument(f"{item.name}: the audio is empty; send {FORMATS} bytes")
-    if len(item.data) > max_bytes:
-        raise InvalidArgument(
-            f"{item.name}: the audio is {len(item.data)} bytes; the limit is {max_bytes}"
-        )
+    check_bytes(item, "audio", FORMATS, max_bytes)
     try:
         with sf.SoundFile(io.BytesIO(item.data)) as f:
             rate, frames = int(f.samplerate), int(f.frames)

@@ -28,6 +28,16 @@ class MediaInput:
     name: str = "item"
 
 
+def check_bytes(item: MediaInput, kind: str, accepted: str, max_bytes: int) -> None:
+    """InvalidArgument, naming the item, when its bytes are empty or over ``max_bytes``."""
+    if not item.data:
+        raise InvalidArgument(f"{item.name}: the {kind} is empty; send {accepted} bytes")
+    if len(item.data) > max_bytes:
+        raise InvalidArgument(
+            f"{item.name}: the {kind} is {len(item.data)} bytes; the limit is {max_bytes}"
+        )
+
+
 def decode_image(
     item: MediaInput,
     size: int,
@@ -39,12 +49,7 @@ def decode_image(
     """Decode, check limits, resize to ``size``², normalise: float32 [3, size, size]."""
     from PIL import Image, UnidentifiedImageError
 
-    if not item.data:
-        raise InvalidArgument(f"{item.name}: the image is empty; send PNG or JPEG bytes")
-    if len(item.data) > max_bytes:
-        raise InvalidArgument(
-            f"{item.name}: the image is {len(item.data)} bytes; the limit is {max_bytes}"
-        )
+    check_bytes(item, "image", "PNG or JPEG", max_bytes)
     try:
         with Image.open(io.BytesIO(item.data)) as img:
             w, h = img.size
