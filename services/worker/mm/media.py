@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from omniflow.errors import InvalidArgument
+from omniflow.wav import wav_bytes as wav_bytes  # the talkers import it from here
 
 IMAGE = "image"
 AUDIO = "audio"
@@ -141,17 +142,6 @@ def log_mel(
     logm = torch.clamp(mel, min=1e-10).log10()
     logm = torch.maximum(logm, logm.max() - 8.0)
     return (logm + 4.0) / 4.0
-
-
-def wav_bytes(pcm_s16: bytes, sample_rate: int) -> bytes:
-    """A mono 16-bit WAV file around raw little-endian samples."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as wf:
-        wf.setnchannels(1)
-        wf.setsampwidth(2)
-        wf.setframerate(sample_rate)
-        wf.writeframes(pcm_s16)
-    return buf.getvalue()
 
 
 def to_pcm_s16(wave_f32: torch.Tensor) -> bytes:
