@@ -24,9 +24,9 @@ from vllm_cluster import BLOCK, LEASE_MS, VLLMCluster, metric, run_vllm_alone
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.kv.blocking import AgentPageStore
 from omniflow.rpc.client import open_channel
 from omniflow_services.worker.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
-from omniflow.kv.blocking import AgentPageStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
