@@ -112,3 +112,25 @@ def test_decode_kv_copy_keeps_a_contiguous_run_when_requests_leave() -> None:
     middle = dkv.plan((5, 6, 7), [3, 3, 3], tables[:3])
     assert middle is not None and middle.rebuild
     assert dkv.plan((5, 7), [4, 4], [tables[0], tables[2]]).rebuild  # the middle one left
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_rms_norm_are_bit_identical_to_transformers(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from omniflow_services.worker.engine.model import rms_norm
+    from omniflow_services.worker.engine.rope import apply_rotary
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 6, 64, generator=g) * 3).to(dtype)  # [tokens, heads, head_dim]
+    freqs = torch.rand(37, 32, generator=g) * 40
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q = x.transpose(0, 1)[None]  # transformers' [batch, heads, tokens, head_dim]
+    want, _ = apply_rotary_pos_emb(q, q, cos[None], sin[None])
+    assert torch.equal(apply_rotary(x, cos, sin), want[0].transpose(0, 1))
+    norm = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g))
+        h = (torch.randn(37, 64, generator=g) * 5).to(dtype)
+        assert torch.equal(rms_norm(h, norm.weight, 1e-5), norm(h))

@@ -111,13 +111,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` [T, heads, D] by cos/sin [T, D] (the rotate-half convention).
 
     Both halves of the tables are equal, so each output half is ``x1*c - x2*s`` or
-    ``x2*c + x1*s`` over half-width tables, written in place: four half-size ops instead
-    of building the rotated copy (cat, neg) and three full-size ones."""
+    ``x2*c + x1*s`` over half-width tables: half-size ops instead of building the rotated
+    copy (cat, neg) and three full-size ones. Every product and sum rounds as in
+    transformers' ``q * cos + rotate_half(q) * sin``, so the result is bit-identical to it
+    in every dtype (an ``addcmul_`` would round once fewer and differ in bfloat16)."""
     half = x.shape[-1] // 2
     c, s = cos[:, None, :half], sin[:, None, :half]
     x1, x2 = x[..., :half], x[..., half:]
     out = torch.empty_like(x)
     o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1)
-    torch.mul(x2, c, out=o2).addcmul_(x1, s)
+    torch.mul(x1, c, out=o1).sub_(x2 * s)
+    torch.mul(x2, c, out=o2).add_(x1 * s)
     return out
