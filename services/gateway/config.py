@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omniflow.config import CommonSettings, setting
+from omniflow.config import CommonSettings, peer_address, setting
 
 # "router": leave the choice to the router's default for the role.
 LLM_STRATEGIES = (
@@ -73,12 +73,8 @@ class GatewaySettings(CommonSettings):
         "routing strategy of llm calls (router: the router's default for the role)",
         choices=LLM_STRATEGIES,
     )
-    router_addr: str = setting(
-        "OMNIFLOW_ROUTER_ADDR", "", "router address; empty: found through discovery"
-    )
-    coordinator_addr: str = setting(
-        "OMNIFLOW_COORDINATOR_ADDR", "", "coordinator address; empty: found through discovery"
-    )
+    router_addr: str = peer_address("OMNIFLOW_ROUTER_ADDR", "router address")
+    coordinator_addr: str = peer_address("OMNIFLOW_COORDINATOR_ADDR", "coordinator address")
     models_dir: str = setting(
         "OMNIFLOW_MODELS_DIR",
         "~/.cache/omniflow/models",

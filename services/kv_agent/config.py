@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omniflow.config import CommonSettings, setting
+from omniflow.config import CommonSettings, peer_address, setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,9 +25,7 @@ class KVAgentSettings(CommonSettings):
     ssd_bytes: int = setting(
         "OMNIFLOW_KV_SSD_BYTES", 1024 * 1024 * 1024, "SSD tier budget, per page size", minimum=0
     )
-    index_addr: str = setting(
-        "OMNIFLOW_KV_INDEX_ADDR", "", "kv-index address; empty: found through discovery"
-    )
+    index_addr: str = peer_address("OMNIFLOW_KV_INDEX_ADDR", "kv-index address")
     lease_ms: int = setting(
         "OMNIFLOW_KV_AGENT_LEASE_MS", 0, "lease asked of the index; 0: the index default", minimum=0
     )

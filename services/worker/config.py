@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omniflow.config import CommonSettings, setting
-
-ROLES = ("llm", "encoder", "diffusion", "talker")
+from omniflow.config import CommonSettings, peer_address, setting
+from omniflow.workers import ROLES
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +51,7 @@ class WorkerSettings(CommonSettings):
     dtype: str = setting(
         "OMNIFLOW_WORKER_DTYPE", "float32", "weights and KV dtype", choices=("float32", "bfloat16")
     )
-    kv_agent_addr: str = setting(
-        "OMNIFLOW_KV_AGENT_ADDR", "", "this node's kv-agent; empty: found through discovery"
-    )
+    kv_agent_addr: str = peer_address("OMNIFLOW_KV_AGENT_ADDR", "this node's kv-agent")
     torch_threads: int = setting(
         "OMNIFLOW_WORKER_TORCH_THREADS",
         0,
