@@ -6,6 +6,13 @@ makes one call per token and sounds like it; one that waits for the whole answer
 late. A phrase ends after a sentence mark (``. ! ?`` or a line break) followed by
 whitespace, or after a clause mark (``, ; :``) once the phrase has ``MIN_CLAUSE_CHARS``;
 a phrase with no mark is cut at ``phrase_chars`` (at its last space when it has one).
+
+The first phrase is short, as streaming TTS systems do it: what the listener waits for is
+the first audio, so the first phrase also ends at its first clause mark, whatever its
+length, or at the first word boundary once it has ``FIRST_PHRASE_CHARS`` (a few words,
+about four tokens; Piper speaks that in a fifth of a second). Later phrases are whole
+sentences or long clauses, which sound better; the talker is busy with the first while the
+llm writes them.
 """
 
 from __future__ import annotations
@@ -18,21 +25,25 @@ from typing import Any
 MIN_CLAUSE_CHARS = 24
 _SENTENCE = re.compile(r"[.!?…]+[\"')\]]*\s+|\n+")
 _CLAUSE = re.compile(r"[,;:]\s+")
+FIRST_PHRASE_CHARS = 12
+_SPACE = re.compile(r"\s+")
 
 
 class Phrases:
     """Cuts whole phrases off the front of a growing text."""
 
-    def __init__(self, max_chars: int) -> None:
+    def __init__(self, max_chars: int, first_chars: int = FIRST_PHRASE_CHARS) -> None:
         self.max_chars = max(1, max_chars)
+        self.first_chars = max(1, first_chars)
         self.pending = ""
+        self.started = False  # a phrase with words in it has been handed out
 
     def feed(self, text: str) -> str:
         """Add ``text``; returns the longest front part that ends on a phrase boundary
         (every complete phrase so far, joined), or "" while the first is incomplete."""
         self.pending += text
-        cut = 0
-        for m in _SENTENCE.finditer(self.pending):
+        cut = 0 if self.started else self._first_cut()
+        for m in _SENTENCE.finditer(self.pending, cut):
             if self.pending[: m.end()].strip():
                 cut = m.end()
         for m in _CLAUSE.finditer(self.pending, cut):
@@ -43,7 +54,25 @@ class Phrases:
             space = self.pending.rfind(" ", cut + 1, end)
             cut = space + 1 if space > cut else end
         out, self.pending = self.pending[:cut], self.pending[cut:]
+        self.started = self.started or bool(out.strip())
         return out
+
+    def _first_cut(self) -> int:
+        """Where the first phrase ends, if it has: its first sentence or clause mark, or
+        its first word boundary past ``first_chars`` (0: not yet)."""
+        ends = [
+            m.end()
+            for rule in (_SENTENCE, _CLAUSE)
+            for m in rule.finditer(self.pending)
+            if self.pending[: m.start()].strip()
+        ]
+        for m in _SPACE.finditer(self.pending):
+            if m.end() > self.max_chars:
+                break  # too long for a phrase: the max_chars rule cuts it
+            if len(self.pending[: m.start()].strip()) >= self.first_chars:
+                ends.append(m.end())
+                break
+        return min(ends, default=0)
 
     def rest(self) -> str:
         """What is left once the stream has ended."""

@@ -14,7 +14,13 @@ from omniflow.cli.workflow import parse_inputs, save_files
 from omniflow.dsl import VType, Workflow
 from omniflow.errors import InvalidArgument
 from omniflow_services.coordinator.conversation import conversation, encode_items
-from omniflow_services.coordinator.streams import MIN_CLAUSE_CHARS, Phrases, join, join_wavs
+from omniflow_services.coordinator.streams import (
+    FIRST_PHRASE_CHARS,
+    MIN_CLAUSE_CHARS,
+    Phrases,
+    join,
+    join_wavs,
+)
 
 
 def _feed(tokens: list[str], max_chars: int = 120) -> list[str]:
@@ -31,13 +37,55 @@ def test_phrases_end_at_sentence_marks_once_whitespace_follows() -> None:
     assert "".join(_feed(tokens)) == "".join(tokens)  # nothing lost, nothing reordered
 
 
-def test_phrases_take_clause_marks_only_after_enough_text() -> None:
-    short = ["Yes", ",", " it", " is", " a", " cat", "."]
-    assert _feed(short) == ["Yes, it is a cat."]  # "Yes," alone is too short to speak
-    long = "Cats are loyal and loving animals, and they like to sleep".split(" ")
-    got = _feed([w if i == 0 else " " + w for i, w in enumerate(long)])
-    assert got[0] == "Cats are loyal and loving animals, "
-    assert len(got[0]) - 2 >= MIN_CLAUSE_CHARS
+def _words(text: str) -> list[str]:
+    """``text`` as an llm streams it: a token per word, the space in front."""
+    words = text.split(" ")
+    return [w if i == 0 else " " + w for i, w in enumerate(words)]
+
+
+def test_after_the_first_phrase_clause_marks_count_only_after_enough_text() -> None:
+    short = ["Yes", ",", " it", " is", " a", " cat", ",", " a", " big", " one", "."]
+    assert _feed(short) == ["Yes, ", "it is a cat, a big one."]  # "it is a cat," too short
+    got = _feed(_words("Well, cats are loyal and loving animals, and they like to sleep"))
+    assert got[1] == "cats are loyal and loving animals, "
+    assert len(got[1]) - 2 >= MIN_CLAUSE_CHARS
+
+
+def test_the_first_phrase_ends_at_a_word_boundary_after_a_few_words() -> None:
+    tokens = _words("The capital of France is Paris. It is a lovely city to visit in spring.")
+    cut = Phrases(120)
+    got = [cut.feed(t) for t in tokens]
+    # Nothing until a whole word lies past FIRST_PHRASE_CHARS: "The capital" (11) is short,
+    # and "The capital of" is only known whole once " France" arrives.
+    assert got[:3] == ["", "", ""]
+    assert got[3] == "The capital of " and len("The capital of") >= FIRST_PHRASE_CHARS
+    # Later phrases are sentences, not a few words each.
+    assert [p for p in got[4:] if p] == ["France is Paris. "]
+    assert cut.rest() == "It is a lovely city to visit in spring."
+    # Leading whitespace does not count toward the first phrase; nothing is lost.
+    spaced = _feed(["\n", " Sure", " thing", " my", " friend", " here", " it", " is"])
+    assert (
+        spaced[0] == "\n Sure thing my " and "".join(spaced) == "\n Sure thing my friend here it is"
+    )
+    # A first phrase past max_chars is cut by the max_chars rule instead.
+    assert _feed(_words("abcdefghijklm nopq rs"), max_chars=10) == ["abcdefghij", "klm nopq ", "rs"]
+    assert _feed(["Hi", "!", " Yes", "."]) == ["Hi! ", "Yes."]  # a short sentence is a phrase
+
+
+def test_phrases_keep_every_character_in_order_however_the_stream_is_split() -> None:
+    text = (
+        "Sure! Cats are wonderful pets; they purr, play and sleep. Many people love them, "
+        "because they are calm, clean and independent animals\nThe end..."
+    )
+    for size in (1, 2, 3, 5, 7, 40):
+        for max_chars in (10, 30, 120):
+            cut = Phrases(max_chars)
+            got = [cut.feed(text[i : i + size]) for i in range(0, len(text), size)]
+            phrases = [p for p in got if p] + [cut.rest()]
+            assert "".join(phrases) == text, (size, max_chars)
+            if size == 1:  # (larger chunks may hand several phrases over at once)
+                assert all(len(p) <= max_chars for p in phrases), (max_chars, phrases)
+                assert phrases[0] == "Sure! "
 
 
 def test_phrases_without_marks_are_cut_at_a_space_within_the_limit() -> None:
