@@ -98,21 +98,25 @@ class PiperTalker:
         self.check_text(text)
         rate = self.output_rate(sample_rate)
         with self._lock:
+            # Counted first (phonemizing is a millisecond) so each sentence leaves as soon as
+            # it is spoken, the last one knowing it is last: holding one back to find out
+            # would make the first audio of a two-sentence text wait for both.
+            count = sum(1 for phonemes in self.voice.phonemize(text) if phonemes)
             resample = StreamResampler(self.voice_rate, rate)
             parts: list[bytes] = []
-            pending: np.ndarray | None = None
             index = 0
             for sentence in self.voice.synthesize(text):
                 out = resample(sentence.audio_float_array)
-                if pending is not None:
-                    pcm = pcm_s16(pending)
-                    parts.append(pcm)
-                    yield AudioChunk(pcm, rate, index, False)
-                    index += 1
-                pending = out
-            tail = resample(np.zeros(0, np.float32), last=True)
-            pending = tail if pending is None else np.concatenate([pending, tail])
-            pcm = pcm_s16(pending)
+                if index == count - 1:
+                    break  # the last: it takes the resampler's tail below
+                pcm = pcm_s16(out)
+                parts.append(pcm)
+                yield AudioChunk(pcm, rate, index, False)
+                index += 1
+            else:
+                out = np.zeros(0, np.float32)  # no sentence left to speak (or none at all)
+            out = np.concatenate([out, resample(np.zeros(0, np.float32), last=True)])
+            pcm = pcm_s16(out)
             parts.append(pcm)
             yield AudioChunk(pcm, rate, index, True, wav_bytes(b"".join(parts), rate))
 
