@@ -8,8 +8,9 @@ generated vision encoder) and a talker (the Piper voice). Measured in the same r
 - first audio: the time from submitting a typed question to the talker's first PCM chunk,
   with the phrase-streamed edge into the talker (``omni_chat`` as shipped) against the
   same graph with a plain edge (the talker waits for the whole answer); the same prompts,
-  interleaved, greedy, so both speak the same answer; at the workflow's answer length and
-  with longer answers (``--long-tokens``), where waiting costs more;
+  interleaved, greedy, so both speak the same answer; at the workflow's answer length,
+  with longer answers (``--long-tokens``) and with questions asking for a detailed answer
+  under a system prompt that allows one (``--detail-tokens``), where waiting costs more;
 - turn latency: a spoken question (espeak-ng) through ``omni_chat`` to the whole spoken
   answer, and an image + question through ``omni_chat_e2e`` (turn 1, then turn 2 with the
   history: its cached prompt tokens).
@@ -55,6 +56,13 @@ QUESTIONS = (
     "How do I make a good cup of tea?",
     "What are the benefits of walking every day?",
 )
+DETAILED = (
+    "Explain in detail how the internet works, step by step.",
+    "Explain in detail how plants make food from sunlight.",
+    "Explain in detail how a car engine works.",
+    "Explain in detail why we have seasons on Earth.",
+)
+DETAIL_SYSTEM = "You are a helpful voice assistant. Explain things fully, in detail."
 SPOKEN = "What is the capital of France?"
 
 
@@ -74,10 +82,16 @@ def _topology() -> dict[str, list[WorkerSpec]]:
 
 
 def variant(
-    graph: cpb.WorkflowGraph, name: str, *, wait: bool = False, max_tokens: int = 0
+    graph: cpb.WorkflowGraph,
+    name: str,
+    *,
+    wait: bool = False,
+    max_tokens: int = 0,
+    system: str = "",
 ) -> cpb.WorkflowGraph:
     """``graph`` renamed; ``wait``: the talker's edge made plain (it speaks once the answer
-    is whole); ``max_tokens``: the answer's length limit changed."""
+    is whole); ``max_tokens``: the answer's length limit changed; ``system``: the system
+    prompt changed."""
     out = cpb.WorkflowGraph()
     out.CopyFrom(graph)
     out.name = name
@@ -88,6 +102,9 @@ def variant(
     if max_tokens:
         answer = next(n for n in out.nodes if n.name == "answer")
         answer.params["max_tokens"].int_value = max_tokens
+    if system:
+        answer = next(n for n in out.nodes if n.name == "answer")
+        answer.params["system"].text = system
     return out
 
 
@@ -134,6 +151,7 @@ async def _timed(client: Client, workflow: str, inputs: dict[str, Any]) -> tuple
         raise RuntimeError(f"{workflow} failed: {result.error}")
     t["wall"] = (time.perf_counter() - started) * 1e3
     t.setdefault("first", t["wall"])
+    t["tokens"] = float(result.outputs.get("completion_tokens") or 0)
     return result, t
 
 
@@ -149,9 +167,11 @@ def _row(workload: str, metric: str, value: float, baseline: float | None, fmt: 
 
 async def measure_chat(args: Any) -> list[list[str]]:
     """The omni chat rows. Reads from ``args``, each optional: ``runs`` (prompts per
-    variant, default 4), ``long_tokens`` (max_tokens of the long answers, default 128)."""
+    variant, default 4), ``long_tokens`` (max_tokens of the long answers, default 128),
+    ``detail_tokens`` (max_tokens of the detailed answers, default 256; 0: none)."""
     runs = int(getattr(args, "runs", 4) or 4)
     long = int(getattr(args, "long_tokens", 128) or 128)
+    detail = int(getattr(args, "detail_tokens", 256))
     models = _models_dir()
     for spec in MODELS:
         await asyncio.to_thread(resolve_model, spec, models)  # pulled once, before the workers
@@ -164,6 +184,9 @@ async def measure_chat(args: Any) -> list[list[str]]:
         "omni_chat_long": variant(chat, "omni_chat_long", max_tokens=long),
         "omni_chat_long_wait": variant(chat, "omni_chat_long_wait", wait=True, max_tokens=long),
     }
+    if detail:
+        for name, wait in (("omni_chat_detail", False), ("omni_chat_detail_wait", True)):
+            typed[name] = variant(chat, name, wait=wait, max_tokens=detail, system=DETAIL_SYSTEM)
     times: dict[str, dict[str, list[float]]] = {k: {} for k in typed}
     spoken: list[float] = []
     e2e1: list[float] = []
@@ -186,9 +209,10 @@ async def measure_chat(args: Any) -> list[list[str]]:
             await _timed(client, "omni_chat_e2e", {"image": _png(32), "text": "Hello?"})
             for i in range(runs):
                 q = {"text": QUESTIONS[i % len(QUESTIONS)]}
+                asks = {"text": DETAILED[i % len(DETAILED)]}
                 names = list(typed) if i % 2 == 0 else list(reversed(typed))  # drift alike
                 for name in names:
-                    _, t = await _timed(client, name, q)
+                    _, t = await _timed(client, name, asks if "detail" in name else q)
                     for key, value in t.items():
                         times[name].setdefault(key, []).append(value)
                 _, t = await _timed(client, "omni_chat", {"audio": question})
@@ -212,10 +236,13 @@ async def measure_chat(args: Any) -> list[list[str]]:
         await asyncio.to_thread(nodes.stop)
         shutil.rmtree(root, ignore_errors=True)
     rows = []
-    for label, name in ((f"{short} tokens", "omni_chat"), (f"{long} tokens", "omni_chat_long")):
+    loads = [(f"{short} tokens", "omni_chat"), (f"{long} tokens", "omni_chat_long")]
+    if detail:
+        loads.append((f"{detail} tokens, 'explain in detail'", "omni_chat_detail"))
+    for label, name in loads:
         got, base = times[name], times[name + "_wait"]
         head, late = _med(got["first"]), _med(base["first"])
-        work = f"omni_chat typed, {label}"
+        work = f"omni_chat typed, max {label}"
         rows += [
             _row(work, "first audio ms (phrases vs whole answer)", head, late, ".0f"),
             _row(work, "first audio sooner x", late / head, None, ".1f"),
@@ -226,6 +253,8 @@ async def measure_chat(args: Any) -> list[list[str]]:
             _row(work, "talker ms, all calls (phrases vs whole answer)",
                  _med(got["talker"]), _med(base["talker"]), ".0f"),
             _row(work, "talker calls per answer", _med(got["calls"]), None, ".1f"),
+            _row(work, "answer tokens (phrases vs whole answer)",
+                 _med(got["tokens"]), _med(base["tokens"]), ".0f"),
         ]  # fmt: skip
     return [
         *rows,
@@ -260,6 +289,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=4, help="prompts per omni chat variant")
     p.add_argument("--long-tokens", type=int, default=128, help="max_tokens of long answers")
+    p.add_argument(
+        "--detail-tokens", type=int, default=256, help="max_tokens of detailed answers (0: none)"
+    )
     p.add_argument("--skip-image", action="store_true", help="only the omni chat rows")
     p.add_argument("--image-runs", type=int, default=6, help="prompts per image variant")
     p.add_argument("--tiny", action="store_true", help="image bench: the tiny test models")
