@@ -21,8 +21,8 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
-from omniflow.discovery import Registry
-from omniflow.errors import OmniflowError, Unavailable
+from omniflow.discovery import Registry, find_address
+from omniflow.errors import OmniflowError
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.status import error_from_rpc
@@ -208,12 +208,7 @@ class Backends:
         return channel
 
     async def _discover(self, service: str, configured: str) -> str:
-        if configured:
-            return configured
-        found = await self.registry.list(service)
-        if not found:
-            raise Unavailable(f"no {service} is registered in discovery")
-        return found[0].address
+        return await find_address(self.registry, service, configured=configured)
 
     async def router(self) -> router_pb2_grpc.RouterServiceStub:
         now = time.monotonic()
