@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from omniflow.errors import InvalidArgument
+from omniflow.wav import wav_bytes
 
 #: OpenAI's rate for raw ``pcm16`` (chat audio output) and ``pcm`` (audio/speech).
 PCM16_RATE = 24000
@@ -55,17 +56,6 @@ def check_chat_voice(voice: str, param: str = "audio.voice") -> None:
             f"{param} {voice!r} is not served; accepted: {', '.join(sorted(OPENAI_VOICES))} "
             "or 'default' (every name is spoken by the workflow's one talker voice)"
         )
-
-
-def wav_bytes(pcm: bytes, rate: int) -> bytes:
-    """Mono 16-bit PCM in a WAV container."""
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm)
-    return out.getvalue()
 
 
 def is_wav(data: bytes) -> bool:

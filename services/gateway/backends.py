@@ -15,33 +15,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.discovery import Registry, find_address
 from omniflow.errors import OmniflowError
+from omniflow.finish import finish_from_proto
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
-from omniflow.rpc.status import error_from_rpc
 from omniflow.values import from_python, to_python
+from omniflow.wav import wav_bytes
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
-from omniflow_services.gateway.audio import wav_bytes
 from omniflow_services.gateway.config import GatewaySettings
 
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 0.02
 RECHECK_S = 5.0  # how long a discovered router/coordinator address is reused
-
-_FINISH = {
-    worker_pb2.FINISH_REASON_STOP: "stop",
-    worker_pb2.FINISH_REASON_LENGTH: "length",
-    worker_pb2.FINISH_REASON_ABORT: "abort",
-    worker_pb2.FINISH_REASON_ERROR: "error",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,10 +250,7 @@ class Backends:
             exclude_worker_ids=list(exclude),
         )
         stub = await self.router()
-        try:
-            reply = await stub.Pick(msg, timeout=self.settings.pick_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        reply = await stub.Pick(msg, timeout=self.settings.pick_timeout_s)
         return Picked(reply.worker.worker_id, reply.worker.address)
 
     def report(self, worker_id: str, ok: bool, latency_ms: float, code: str = "") -> None:
@@ -286,7 +274,7 @@ class Backends:
                     router_pb2.ReportOutcomesRequest(outcomes=batch),
                     timeout=self.settings.pick_timeout_s,
                 )
-            except (grpc.aio.AioRpcError, OmniflowError) as exc:
+            except OmniflowError as exc:
                 log.debug("ReportOutcomes (%d) failed: %s", len(batch), exc)
 
     # ------------------------------------------------------------ workers
@@ -306,13 +294,11 @@ class Backends:
                         list(zip(t.token_ids, t.logprobs, strict=False)) for t in r.top_logprobs
                     ]
                 if r.finish_reason:
-                    chunk.finish_reason = _FINISH.get(r.finish_reason, "stop")
+                    chunk.finish_reason = finish_from_proto(r.finish_reason, "stop")
                     chunk.prompt_tokens = r.usage.prompt_tokens
                     chunk.cached_tokens = r.usage.cached_tokens
                     chunk.completion_tokens = r.usage.completion_tokens
                 yield chunk
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
         finally:
             rpc.cancel()  # a no-op once the stream ended; ends the call when we stop early
 
@@ -324,12 +310,9 @@ class Backends:
         )
         if seed is not None:
             msg.seed = seed
-        try:
-            reply = await self._worker(address).GenerateImage(
-                msg, timeout=self.settings.request_timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        reply = await self._worker(address).GenerateImage(
+            msg, timeout=self.settings.request_timeout_s
+        )
         return reply.png
 
     async def synthesize(
@@ -350,8 +333,6 @@ class Backends:
                 rate = chunk.sample_rate or rate
                 if chunk.last and chunk.wav:
                     wav = chunk.wav
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
         finally:
             rpc.cancel()
         return wav or wav_bytes(bytes(pcm), rate)
@@ -360,22 +341,16 @@ class Backends:
 
     async def workflows(self) -> list[str]:
         stub = await self.coordinator()
-        try:
-            reply = await stub.ListWorkflows(
-                coordinator_pb2.ListWorkflowsRequest(), timeout=self.settings.pick_timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        reply = await stub.ListWorkflows(
+            coordinator_pb2.ListWorkflowsRequest(), timeout=self.settings.pick_timeout_s
+        )
         return [w.name for w in reply.workflows]
 
     async def workflow(self, name: str) -> WorkflowInfo:
         stub = await self.coordinator()
-        try:
-            reply = await stub.GetWorkflow(
-                coordinator_pb2.GetWorkflowRequest(name=name), timeout=self.settings.pick_timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        reply = await stub.GetWorkflow(
+            coordinator_pb2.GetWorkflowRequest(name=name), timeout=self.settings.pick_timeout_s
+        )
         g = reply.graph
         produced = {k: s.node_output for k, s in g.outputs.items() if s.HasField("node_output")}
         nodes = {
@@ -419,8 +394,6 @@ class Backends:
                     ok = f.state == coordinator_pb2.RUN_STATE_SUCCEEDED
                     yield RunChunk(outputs=outs, error="" if ok else (f.error or "run failed"))
                     return
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
         finally:
             rpc.cancel()
 
