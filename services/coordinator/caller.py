@@ -26,6 +26,7 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.errors import InvalidArgument, OmniflowError
+from omniflow.finish import finish_from_proto
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.values import Tokens, from_python, to_python
@@ -114,13 +115,6 @@ KV_AWARE = router_pb2.STRATEGY_KV_AWARE
 # With a history or media the Pick goes without hints: a hint covers one user turn only.
 _PROMPT = ("prompt", "messages", "media")
 _PAGES = ("pages",)
-
-_FINISH = {
-    worker_pb2.FINISH_REASON_STOP: "stop",
-    worker_pb2.FINISH_REASON_LENGTH: "length",
-    worker_pb2.FINISH_REASON_ABORT: "abort",
-    worker_pb2.FINISH_REASON_ERROR: "error",
-}
 
 
 class GrpcWorkerCaller:
@@ -283,7 +277,7 @@ class GrpcWorkerCaller:
                 if on_chunk is not None:
                     await on_chunk("text", chunk.text)
             if chunk.finish_reason:
-                out["finish_reason"] = _FINISH.get(chunk.finish_reason, "")
+                out["finish_reason"] = finish_from_proto(chunk.finish_reason)
                 out["prompt_tokens"] = chunk.usage.prompt_tokens
                 out["cached_tokens"] = chunk.usage.cached_tokens
                 out["completion_tokens"] = chunk.usage.completion_tokens
