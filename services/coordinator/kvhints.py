@@ -35,7 +35,8 @@ import xxhash
 from prometheus_client import Counter
 
 from omniflow.chat import Preprocessor, acached_preprocessor
-from omniflow.kv.blocks import DEFAULT_PAGE_SIZE
+from omniflow.errors import InvalidArgument
+from omniflow.kv.blocks import DEFAULT_PAGE_SIZE, check_hashes
 from omniflow.security.kvsalt import kv_salt
 from omniflow.security.policy import caller_tenant
 from omniflow.workers import WorkerRecord
@@ -269,8 +270,12 @@ def pages_hints(pages: Any) -> KVHints | None:
     ns, hashes, ids = pages.get("kv_namespace"), pages.get("block_hashes"), pages.get("token_ids")
     if not isinstance(ns, str) or not ns or not isinstance(hashes, list | tuple):
         return None
-    if not all(isinstance(h, bytes) and len(h) == 16 for h in hashes):
+    if not all(isinstance(h, bytes) for h in hashes):
         return None
+    try:
+        check_hashes(hashes)
+    except InvalidArgument:
+        return None  # not 16-byte hashes: the worker refuses them, naming the field
     tokens = tuple(int(i) for i in ids) if isinstance(ids, list | tuple) else ()
     KV_HINTS.labels(PAGES).inc()
     return KVHints(ns, tuple(hashes), len(tokens), tokens)
