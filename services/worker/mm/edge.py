@@ -14,7 +14,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import grpc
 import numpy as np
 
 from omniflow.api.common.v1 import common_pb2
@@ -26,7 +25,6 @@ from omniflow.kv.tensor_client import TensorClient
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime
-from omniflow.rpc.status import error_from_rpc
 from omniflow.security.kvsalt import salted_extra_keys
 from omniflow.workers import WORKER_SERVICE, worker_from_instance
 from omniflow_services.worker.config import WorkerSettings
@@ -124,10 +122,8 @@ class MultimodalEdge:
                 for it in items
             ]
         )
-        try:
-            reply = await stub.Encode(req, timeout=ENCODE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+        # The channel raises the encoder's failure as its domain error (TracedChannel).
+        reply = await stub.Encode(req, timeout=ENCODE_TIMEOUT_S)
         return [(e.item_id, e.embeddings) for e in reply.items]
 
     def resolver(self, llm: LLMRole) -> MediaResolver:
