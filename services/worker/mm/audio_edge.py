@@ -16,11 +16,13 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2
 from omniflow.errors import InvalidArgument
 from omniflow.kv.tensor_client import TensorClient
+from omniflow.workers import MODEL_OPERATIONS
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.mm import audio_metrics
 from omniflow_services.worker.mm.media import AUDIO, MediaInput
 
-AUDIO_OPERATIONS = ("transcribe",)
+# The encoder's Invoke operations (the one table of roles): what this edge serves.
+AUDIO_OPERATIONS = MODEL_OPERATIONS["encoder"]
 _ACCEPTED = "the audio file's bytes (bytes_value, a media item or a tensor_ref)"
 
 
