@@ -8,24 +8,16 @@ and every shared-memory file of the agent removed at teardown.
 from __future__ import annotations
 
 import io
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import uuid
-import wave
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from omniflow.localredis import RedisProcess, start_redis
 from omniflow.models.resolve import resolve_model
+from omniflow.testing.nodes import Nodes
+from omniflow.wav import wav_bytes
 
-SHM = Path("/dev/shm")
 MODELS = (
     "tiny:qwen2",
     "tiny:vision-encoder",
@@ -35,71 +27,21 @@ MODELS = (
 )
 
 
-@dataclass
-class Cluster:
-    root: Path
-    redis: RedisProcess
-    models_dir: Path
-    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    addresses: dict[str, str] = field(default_factory=dict)
+class Cluster(Nodes):
+    """The processes of one node ("mm-node"): omniflow.testing.nodes' process handling, with
+    instance ids that carry the cluster's tag (the agent's shared-memory files are named by
+    it, so ``stop`` finds and removes them)."""
+
+    def __init__(self, root: Path, redis: RedisProcess, models_dir: Path) -> None:
+        env = {"OMNIFLOW_NODE_ID": "mm-node", "OMNIFLOW_MODELS_DIR": str(models_dir)}
+        super().__init__(root, redis, base_env=env)
+        self.models_dir = models_dir
 
     def start(self, module: str, name: str, **env: str) -> None:
-        ready = self.root / f"{name}.ready.json"
-        log = self.root / f"{name}.log"
-        full = {
-            **os.environ,
-            "OMNIFLOW_REDIS_URL": self.redis.url,
-            "OMNIFLOW_DISCOVERY": "redis",
-            "OMNIFLOW_PORT": "0",
-            "OMNIFLOW_METRICS_PORT": "-1",
-            "OMNIFLOW_READY_FILE": str(ready),
-            "OMNIFLOW_INSTANCE_ID": f"{name}-{self.tag}",
-            "OMNIFLOW_NODE_ID": "mm-node",
-            "OMNIFLOW_MODELS_DIR": str(self.models_dir),
-            **env,
-        }
-        with open(log, "wb") as out:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", f"omniflow_services.{module}"],
-                env=full,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-
-    def wait(self, name: str, timeout_s: float = 120.0) -> str:
-        ready = self.root / f"{name}.ready.json"
-        end = time.monotonic() + timeout_s
-        proc = self.procs[name]
-        while time.monotonic() < end:
-            if proc.poll() is not None:
-                raise AssertionError(f"{name} exited {proc.returncode}:\n{self.log(name)}")
-            if ready.exists():
-                self.addresses[name] = json.loads(ready.read_text())["address"]
-                return self.addresses[name]
-            time.sleep(0.05)
-        raise AssertionError(f"{name} not ready after {timeout_s}s:\n{self.log(name)}")
-
-    def log(self, name: str) -> str:
-        path = self.root / f"{name}.log"
-        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+        super().start(module, name, **{"OMNIFLOW_INSTANCE_ID": f"{name}-{self.tag}", **env})
 
     def alive(self, name: str) -> bool:
         return self.procs[name].poll() is None
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for path in SHM.glob(f"omniflow-*{self.tag}*"):
-            path.unlink(missing_ok=True)
 
 
 def make_models(models_dir: Path) -> None:
@@ -133,8 +75,7 @@ def start_cluster(root: Path, models_dir: Path, roles: tuple[str, ...]) -> Itera
             c.wait(role)
         yield c
     finally:
-        c.stop()
-        redis.stop()
+        c.stop()  # and the Redis
 
 
 def png(width: int, height: int, seed: int = 0, pixel: tuple[int, int] | None = None) -> bytes:
@@ -152,10 +93,4 @@ def png(width: int, height: int, seed: int = 0, pixel: tuple[int, int] | None = 
 def wav(seconds: float = 0.5, rate: int = 16000) -> bytes:
     t = np.arange(int(seconds * rate)) / rate
     samples = (np.sin(2 * np.pi * 440 * t) * 12000).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as wf:
-        wf.setnchannels(1)
-        wf.setsampwidth(2)
-        wf.setframerate(rate)
-        wf.writeframes(samples.tobytes())
-    return buf.getvalue()
+    return wav_bytes(samples.tobytes(), rate)
