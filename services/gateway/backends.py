@@ -351,23 +351,7 @@ class Backends:
         reply = await stub.GetWorkflow(
             coordinator_pb2.GetWorkflowRequest(name=name), timeout=self.settings.pick_timeout_s
         )
-        g = reply.graph
-        produced = {k: s.node_output for k, s in g.outputs.items() if s.HasField("node_output")}
-        nodes = {
-            n.name: NodeInfo(
-                n.call.role, n.call.operation, {k: to_python(v) for k, v in n.params.items()}
-            )
-            for n in g.nodes
-            if n.WhichOneof("kind") == "call"
-        }
-        return WorkflowInfo(
-            g.name,
-            tuple((p.name, int(p.type), p.optional) for p in g.inputs),
-            {k: produced[k].node if k in produced else "" for k in g.outputs},
-            {k: produced[k].output if k in produced else "" for k in g.outputs},
-            {p.name: int(p.type) for p in g.output_ports},
-            nodes,
-        )
+        return workflow_info(reply.graph)
 
     async def run_workflow(self, name: str, inputs: dict[str, Any]) -> AsyncIterator[RunChunk]:
         """Run a workflow; yields its text and bytes chunks as they stream, then its outputs."""
@@ -404,3 +388,23 @@ class Backends:
             await channel.close()
         self._channels.clear()
         self._workers.clear()
+
+
+def workflow_info(g: Any) -> WorkflowInfo:
+    """What the gateway reads of a registered graph (a compiled ``WorkflowGraph``)."""
+    produced = {k: s.node_output for k, s in g.outputs.items() if s.HasField("node_output")}
+    nodes = {
+        n.name: NodeInfo(
+            n.call.role, n.call.operation, {k: to_python(v) for k, v in n.params.items()}
+        )
+        for n in g.nodes
+        if n.WhichOneof("kind") == "call"
+    }
+    return WorkflowInfo(
+        g.name,
+        tuple((p.name, int(p.type), p.optional) for p in g.inputs),
+        {k: produced[k].node if k in produced else "" for k in g.outputs},
+        {k: produced[k].output if k in produced else "" for k in g.outputs},
+        {p.name: int(p.type) for p in g.output_ports},
+        nodes,
+    )

@@ -13,9 +13,8 @@ import pytest
 from omniflow.api.common.v1 import common_pb2
 from omniflow.dsl import VType, Workflow
 from omniflow.errors import InvalidArgument
-from omniflow.values import to_python
 from omniflow_services.gateway import audio
-from omniflow_services.gateway.backends import NodeInfo, WorkflowInfo
+from omniflow_services.gateway.backends import WorkflowInfo, workflow_info
 from omniflow_services.gateway.workflows import (
     Recall,
     answer_output,
@@ -30,23 +29,8 @@ from omniflow_services.gateway.workflows import (
 
 
 def _info(wf: Workflow) -> WorkflowInfo:
-    """What the gateway reads of a registered graph (as Backends.workflow does)."""
-    g = wf.compile()
-    produced = {k: s.node_output for k, s in g.outputs.items() if s.HasField("node_output")}
-    return WorkflowInfo(
-        g.name,
-        tuple((p.name, int(p.type), p.optional) for p in g.inputs),
-        {k: produced[k].node if k in produced else "" for k in g.outputs},
-        {k: produced[k].output if k in produced else "" for k in g.outputs},
-        {p.name: int(p.type) for p in g.output_ports},
-        {
-            n.name: NodeInfo(
-                n.call.role, n.call.operation, {k: to_python(v) for k, v in n.params.items()}
-            )
-            for n in g.nodes
-            if n.WhichOneof("kind") == "call"
-        },
-    )
+    """What the gateway reads of the graph once it is registered."""
+    return workflow_info(wf.compile())
 
 
 def _spoken(rate: int | None = None) -> Workflow:
