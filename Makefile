@@ -18,7 +18,11 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q -e '.[worker,local,dev,gateway]'
 	@touch $@
 
-setup: $(VENV)/.installed protos ## create .venv and install every service, extras and dev tools
+setup: $(VENV)/.installed protos kernels ## create .venv and install every service, extras and dev tools
+
+kernels: $(VENV)/.installed ## build the engine's fused CPU kernels (cached in ~/.cache/omniflow/kernels)
+	@$(PY) -c "from omniflow_services.worker.engine import kernels; raise SystemExit(kernels.main())" \
+		|| echo "no engine kernels: the engine runs its torch path (same results, slower)" >&2
 
 $(API_STAMP): $(PROTO_SRC) scripts/gen_protos.py | $(VENV)/.installed
 	$(PY) scripts/gen_protos.py
@@ -52,4 +56,4 @@ bench: setup ## run every benchmark (prints tables)
 clean: ## remove generated code and caches (keeps .venv)
 	rm -rf libs/omniflow/api .pytest_cache .ruff_cache
 
-.PHONY: help setup protos lint test up status down demo bench clean
+.PHONY: help setup protos kernels lint test up status down demo bench clean

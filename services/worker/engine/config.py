@@ -13,6 +13,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 MATMULS = ("auto", "onednn", "aten")
+KERNELS = ("auto", "native", "torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +109,10 @@ class EngineConfig:
     that should share KV pages must agree on it. ``matmul`` picks the linear layers' kernel:
     "onednn" (weights prepacked once; CPU bfloat16 only), "aten" (``F.linear``) or "auto"
     (onednn where it applies). ``decode_kv_bytes`` bounds the decode batch's contiguous K/V
-    copy kept across steps (``decode_kv``); 0 gathers the pages at every step instead.
+    copy kept across steps (``decode_kv``; the torch path only); 0 gathers the pages at
+    every step instead. ``kernels`` picks the elementwise and decode-attention kernels:
+    "native" (the fused CPU kernels of ``kernels.cpp``, built on first use), "torch" (torch
+    ops) or "auto" (native where they apply and build; ``OMNIFLOW_ENGINE_KERNELS`` overrides).
     """
 
     dtype: str = "float32"
@@ -123,6 +127,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     matmul: str = "auto"
     decode_kv_bytes: int = 1 << 30
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -133,5 +138,9 @@ class EngineConfig:
             raise InvalidArgument(f"num_pages must be > 0, got {self.num_pages}")
         if self.matmul not in MATMULS:
             raise InvalidArgument(f"matmul {self.matmul!r} not accepted; accepted: {list(MATMULS)}")
+        if self.kernels not in KERNELS:
+            raise InvalidArgument(
+                f"kernels {self.kernels!r} not accepted; accepted: {list(KERNELS)}"
+            )
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise InvalidArgument("max_num_batched_tokens and max_num_seqs must be > 0")

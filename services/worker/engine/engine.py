@@ -60,7 +60,7 @@ class Engine:
     ) -> None:
         self.config = cfg = config or EngineConfig()
         prepack = None if cfg.matmul == "auto" else cfg.matmul == "onednn"
-        loaded = load_model(model_dir, cfg.dtype, cfg.device, prepack)
+        loaded = load_model(model_dir, cfg.dtype, cfg.device, prepack, cfg.kernels)
         self.model_config = mc = loaded.config
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -99,7 +99,7 @@ class Engine:
         self._id_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._uids = itertools.count()
-        if cfg.decode_kv_bytes > 0:
+        if cfg.decode_kv_bytes > 0 and not self.model.fused:
             self.model.decode_kv = DecodeKV(
                 mc.num_layers,
                 mc.num_kv_heads,

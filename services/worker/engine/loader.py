@@ -64,7 +64,12 @@ def _read_tensors(files: list[Path], dtype: torch.dtype, device: str) -> dict[st
 
 
 def load_weights(
-    cfg: ModelConfig, folder: Path, dtype: str, device: str, prepack: bool | None = None
+    cfg: ModelConfig,
+    folder: Path,
+    dtype: str,
+    device: str,
+    prepack: bool | None = None,
+    kernels: str = "auto",
 ) -> DecoderModel:
     """Read the checkpoint into a ``DecoderModel`` with fused QKV and gate/up projections.
 
@@ -117,7 +122,7 @@ def load_weights(
     leftover = [k for k in t if "rotary_emb" not in k]
     if leftover:
         log.warning("ignoring %d unused weights, e.g. %s", len(leftover), leftover[:3])
-    return DecoderModel(cfg, embed, layers, norm, lm_head, prepack=prepack)
+    return DecoderModel(cfg, embed, layers, norm, lm_head, prepack=prepack, fused=kernels)
 
 
 def load_tokenizer(folder: Path) -> Any | None:
@@ -144,12 +149,16 @@ def load_generation_defaults(cfg: ModelConfig, folder: Path) -> GenerationDefaul
 
 
 def load_model(
-    folder: str | Path, dtype: str = "float32", device: str = "cpu", prepack: bool | None = None
+    folder: str | Path,
+    dtype: str = "float32",
+    device: str = "cpu",
+    prepack: bool | None = None,
+    kernels: str = "auto",
 ) -> LoadedModel:
     """Load everything the engine needs from a Hugging Face-format folder."""
     path = Path(folder)
     if not path.is_dir():
         raise InvalidArgument(f"model folder {folder} does not exist")
     cfg = ModelConfig.from_folder(path)
-    model = load_weights(cfg, path, dtype, device, prepack)
+    model = load_weights(cfg, path, dtype, device, prepack, kernels)
     return LoadedModel(cfg, model, load_tokenizer(path), load_generation_defaults(cfg, path))

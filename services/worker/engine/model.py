@@ -8,7 +8,10 @@ an offset into the request's cached context.
 
 On CPU in bfloat16 the linear layers go through oneDNN with weights reordered once at load
 (``PackedLinear``): ``F.linear`` would reorder the weight on every call, which costs more
-than the multiply itself for decode-sized batches.
+than the multiply itself for decode-sized batches. On CPU the elementwise work of a layer
+(RMSNorm with its residual add, rotary, SiLU-and-multiply, the KV write) and decode attention
+run as fused kernels (``kernels.py``) where they build; the torch path is kept for other
+devices and as the fallback, with the same results.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from omniflow_services.worker.engine import kernels
 from omniflow_services.worker.engine.config import ModelConfig
 from omniflow_services.worker.engine.decode_kv import DecodeKV, DecodePlan
 from omniflow_services.worker.engine.kv_pool import KVPool
@@ -114,8 +118,9 @@ class ForwardBatch:
     max_position: int
     slots: torch.Tensor  # page * page_size + offset of every row's K/V
     decode_rows: torch.Tensor | None
-    decode_pages: torch.Tensor | None
+    decode_pages: torch.Tensor | None  # [B, width] page tables, padded with the last page
     decode_mask: torch.Tensor | None
+    decode_lens: torch.Tensor | None  # [B] context of each decode row (its keys)
     prefills: list[PrefillSeq]
     logit_rows: torch.Tensor
     embed_rows: torch.Tensor | None = None
@@ -198,14 +203,14 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> F
             )
         if s.want_logits:
             logit_rows.append(row0 + n - 1)
-    d_rows = d_pages = d_mask = None
+    d_rows = d_pages = d_mask = d_lens = None
     if decode_rows:
         width = max(len(t) for t in decode_tables)
         table = [t + [t[-1]] * (width - len(t)) for t in decode_tables]
         d_pages = torch.tensor(table, dtype=torch.long, device=device)
         keys = torch.arange(width * page_size, device=device)
-        ctx_t = torch.tensor(decode_ctx, device=device)
-        d_mask = (keys[None, :] < ctx_t[:, None])[:, None, None, :]
+        d_lens = torch.tensor(decode_ctx, dtype=torch.long, device=device)
+        d_mask = (keys[None, :] < d_lens[:, None])[:, None, None, :]
         d_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
 
     def t(x: list[int]) -> torch.Tensor:
@@ -219,6 +224,7 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> F
         decode_rows=d_rows,
         decode_pages=d_pages,
         decode_mask=d_mask,
+        decode_lens=d_lens,
         prefills=prefills,
         logit_rows=t(logit_rows),
         embed_rows=t(e_rows) if e_rows else None,
@@ -254,6 +260,7 @@ class DecoderModel:
         lm_head: torch.Tensor,
         *,
         prepack: bool | None = None,
+        fused: str = "auto",
     ) -> None:
         self.cfg = cfg
         self.embed = embed
@@ -278,6 +285,8 @@ class DecoderModel:
             for lw in layers
         ]
         self.lm = make_linear(lm_head, None, pk)
+        # The fused CPU kernels ("auto": where they apply and build; "torch": never).
+        self.fused = kernels.wanted(fused, self.dtype, self.device) and cfg.head_dim % 16 == 0
         # Set by the engine (it knows the page size and the memory budget).
         self.decode_kv: DecodeKV | None = None
         # Decode attention with grouped query heads as rows of their KV head: measured
@@ -301,6 +310,8 @@ class DecoderModel:
         if max_position is None:
             max_position = int(positions.max())
         cos, sin = self.rotary.cos_sin(positions, self.dtype, max_position)
+        if self.fused:
+            return self._run_layers_fused(h, cos, sin, attend)
         nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_size = self.q_size + self.kv_size
         inter = cfg.intermediate_size
@@ -318,6 +329,38 @@ class DecoderModel:
             h = h + lin.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         return h
 
+    def _run_layers_fused(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """``run_layers`` through the fused kernels: each residual add is folded into the
+        next RMSNorm, rotary runs in place on the QKV projection, SiLU-and-multiply is one
+        pass. Roundings as in the torch path (bit-identical in bfloat16)."""
+        cfg = self.cfg
+        ops = kernels.ops()
+        nh, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk_size = self.q_size + self.kv_size
+        eps = cfg.rms_norm_eps
+        h = h.contiguous().clone()  # the residual stream is updated in place
+        x = torch.empty_like(h)
+        act = h.new_empty(h.shape[0], cfg.intermediate_size)
+        delta: torch.Tensor | None = None
+        for li, (lw, lin) in enumerate(zip(self.layers, self.linears, strict=True)):
+            if delta is None:
+                ops.rms_norm(h, lw.in_norm, eps, x)
+            else:
+                ops.add_rms_norm(h, delta, lw.in_norm, eps, x)
+            qkv = lin.qkv(x)
+            qk = qkv[:, :qk_size].view(-1, nh + kvh, hd)
+            ops.rotary_(qk, cos, sin)
+            v = qkv[:, qk_size:].view(-1, kvh, hd)
+            attn = attend(li, qk[:, :nh], qk[:, nh:], v)
+            ops.add_rms_norm(h, lin.o(attn.reshape(-1, self.q_size)), lw.post_norm, eps, x)
+            ops.silu_mul(lin.gate_up(x), act)
+            delta = lin.down(act)
+        if delta is not None:
+            h.add_(delta)
+        return h
+
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm (before the LM head)."""
         return rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
@@ -333,9 +376,12 @@ class DecoderModel:
 
         def paged(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = pool.layer(li)
-            # caches are [H, pages, P, D], written through their [H, pages * P, D] views.
-            k_cache.view(kvh, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
-            v_cache.view(kvh, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
+            if self.fused:
+                kernels.ops().write_kv(k, v, batch.slots, k_cache, v_cache)
+            else:
+                # caches are [H, pages, P, D], written through their [H, pages * P, D] views.
+                k_cache.view(kvh, -1, hd).index_copy_(1, batch.slots, k.transpose(0, 1))
+                v_cache.view(kvh, -1, hd).index_copy_(1, batch.slots, v.transpose(0, 1))
             return self._attention(q, k, v, batch, k_cache, v_cache, plan, li)
 
         h = self.run_layers(h, batch.positions, paged, batch.max_position)
@@ -350,7 +396,7 @@ class DecoderModel:
 
     def _decode_plan(self, batch: ForwardBatch) -> DecodePlan | None:
         dkv = self.decode_kv
-        if dkv is None or batch.decode_rows is None or -1 in batch.decode_ids:
+        if dkv is None or self.fused or batch.decode_rows is None or -1 in batch.decode_ids:
             return None
         assert batch.decode_ctx is not None and batch.decode_tables is not None
         return dkv.plan(batch.decode_ids, batch.decode_ctx, batch.decode_tables)
@@ -407,7 +453,21 @@ class DecoderModel:
                 qq, kk, vv, is_causal=True, scale=self.scale, enable_gqa=True
             )
             out[rows] = o.transpose(1, 2).flatten(0, 1)
-        if batch.decode_rows is not None:
+        if batch.decode_rows is not None and self.fused:
+            # Each row's keys read in place from its pages; output written at its row.
+            kernels.ops().decode_attention(
+                q,
+                batch.decode_rows,
+                k_cache,
+                v_cache,
+                batch.decode_pages,
+                batch.decode_lens,
+                self.scale,
+                out,
+            )
+            if batch.all_decode:
+                return out
+        elif batch.decode_rows is not None:
             mask = batch.decode_mask
             if plan is not None:
                 kk, vv = self._decode_kv(k, v, batch, k_cache, v_cache, plan, li)

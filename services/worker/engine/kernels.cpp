@@ -1,0 +1,562 @@
+// Fused CPU kernels of the built-in engine (bfloat16 and float32).
+//
+// Each kernel does in one pass over memory what the torch path does in several ops, and
+// rounds where transformers rounds: a bfloat16 product or sum is rounded to bfloat16 before
+// the next op uses it, so results stay those of transformers' modules. Built on first use
+// by kernels.py (torch.utils.cpp_extension, -O3 -march=native -ffp-contract=off: no fused
+// multiply-adds the torch ops would not do); work is split over torch's own thread pool
+// (at::parallel_for), never a second OpenMP pool.
+//
+//   rms_norm(x, w, eps, out)              out = w * norm(x)
+//   add_rms_norm(h, d, w, eps, out)       h = h + d (in place); out = w * norm(h)
+//   rotary_(x, cos, sin)                  rotate-half rotary in place on [T, heads, D]
+//   silu_mul(gu, out)                     out = silu(gu[:, :I]) * gu[:, I:]
+//   write_kv(k, v, slots, k_cache, v_cache)   rows of k/v into the paged pool
+//   decode_attention(q, rows, k_cache, v_cache, tables, lens, scale, out)
+//       one query row per request against its paged keys, read in place from the pool
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+using bf16 = uint16_t;  // bfloat16 as its bits
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// float -> bfloat16 rounding to nearest even, NaN -> 0x7FC0 (as c10::BFloat16 does).
+inline bf16 to_bf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16(u >> 16);
+}
+
+template <typename T>
+inline void store(T* p, float v);
+template <>
+inline void store<float>(float* p, float v) { *p = v; }
+template <>
+inline void store<bf16>(bf16* p, float v) { *p = to_bf(v); }
+
+// The value a result of type T holds: rounded to bfloat16 for bfloat16, as is for float.
+template <typename T>
+inline float rnd(float v);
+template <>
+inline float rnd<float>(float v) { return v; }
+template <>
+inline float rnd<bf16>(float v) { return to_f(to_bf(v)); }
+
+inline v16 load16(const float* p) {
+  v16 f;
+  std::memcpy(&f, p, 64);
+  return f;
+}
+inline v16 load16(const bf16* p) {
+  v16h h;
+  std::memcpy(&h, p, 32);
+  v16u u = __builtin_convertvector(h, v16u) << 16;
+  v16 f;
+  std::memcpy(&f, &u, 64);
+  return f;
+}
+// bfloat16 rounding of 16 floats (to nearest even, NaN -> 0x7FC0), as their float bits.
+inline v16u round_bits(v16 x) {
+  v16u u;
+  std::memcpy(&u, &x, 64);
+  v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+  return (r & ~nan) | (nan & 0x7fc00000u);
+}
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, 64); }
+inline void store16(bf16* p, v16 v) {
+  v16h h = __builtin_convertvector(round_bits(v) >> 16, v16h);
+  std::memcpy(p, &h, 32);
+}
+
+// 16 values as a result of type T holds them (rounded to bfloat16 for bfloat16).
+inline v16 vrnd(v16 v, float*) { return v; }
+inline v16 vrnd(v16 v, bf16*) {
+  v16u r = round_bits(v);
+  v16 f;
+  std::memcpy(&f, &r, 64);
+  return f;
+}
+template <typename T>
+inline v16 vround(v16 v) {
+  return vrnd(v, static_cast<T*>(nullptr));
+}
+
+inline float hsum(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// exp(x), Cephes' single-precision polynomial (about 1 ulp), 16 lanes at a time; +inf
+// above float's range, 0 below it (no denormals).
+inline v16 vexp(v16 in) {
+  const v16 hi = v16{} + 88.3762626647949f, lo = v16{} - 87.3365447505531f;
+  v16 x = in > hi ? hi : in;
+  x = x < lo ? lo : x;
+  v16 t = x * 1.44269504088896341f;
+  v16 half = t >= 0.f ? v16{} + 0.5f : v16{} - 0.5f;
+  v16i k = __builtin_convertvector(t + half, v16i);
+  v16 kf = __builtin_convertvector(k, v16);
+  v16 r = x - kf * 0.693359375f;
+  r = r - kf * -2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * (r * r) + r + 1.0f;
+  v16u bits = (v16u)((k + 127) << 23);
+  v16 scale;
+  std::memcpy(&scale, &bits, 64);
+  v16 r2 = p * scale;
+  r2 = in > hi ? v16{} + INFINITY : r2;
+  return in < lo ? v16{} : r2;
+}
+
+float exp1(float x) {
+  v16 v = v16{} + x;
+  return vexp(v)[0];
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+template <typename T>
+const T* cptr(const at::Tensor& t) {
+  return reinterpret_cast<const T*>(t.const_data_ptr());
+}
+template <typename T>
+T* mptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.mutable_data_ptr());
+}
+
+#define OF_DISPATCH(dtype, ...)                                            \
+  do {                                                                     \
+    if ((dtype) == at::kBFloat16) {                                        \
+      using scalar = bf16;                                                 \
+      __VA_ARGS__();                                                       \
+    } else if ((dtype) == at::kFloat) {                                    \
+      using scalar = float;                                                \
+      __VA_ARGS__();                                                       \
+    } else {                                                               \
+      TORCH_CHECK(false, "omniflow kernels take bfloat16 or float32, got ", (dtype)); \
+    }                                                                      \
+  } while (0)
+
+// ---------------------------------------------------------------- RMSNorm
+
+// One row: (optionally h = h + d) then out = w * T(h * rsqrt(mean(h^2) + eps)), the
+// normalisation in float32 as transformers' LlamaRMSNorm computes it.
+template <typename T>
+void norm_row(T* h, const T* d, const T* w, T* out, int64_t n, float eps, float* tmp) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v = to_f(h[i]);
+    if (d) {
+      v = rnd<T>(v + to_f(d[i]));
+      store(h + i, v);
+    }
+    tmp[i] = v;
+  }
+  v16 acc = v16{};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16 v = load16(tmp + i);
+    acc += v * v;
+  }
+  float ss = hsum(acc);
+  for (; i < n; ++i) ss += tmp[i] * tmp[i];
+  const float r = 1.0f / std::sqrt(ss / float(n) + eps);
+  for (int64_t j = 0; j < n; ++j) store(out + j, to_f(w[j]) * rnd<T>(tmp[j] * r));
+}
+
+void norm_impl(const at::Tensor& h, const c10::optional<at::Tensor>& d, const at::Tensor& w,
+               double eps, const at::Tensor& out) {
+  check_cpu(h, "x");
+  TORCH_CHECK(h.dim() == 2 && h.stride(1) == 1 && out.is_contiguous() && w.is_contiguous(),
+              "rms_norm takes a [rows, n] tensor with contiguous rows");
+  TORCH_CHECK(out.sizes() == h.sizes() && w.size(0) == h.size(1), "rms_norm: shapes differ");
+  TORCH_CHECK(w.scalar_type() == h.scalar_type() && out.scalar_type() == h.scalar_type(),
+              "rms_norm: dtypes differ");
+  if (d) TORCH_CHECK(d->sizes() == h.sizes() && d->stride(1) == 1, "add_rms_norm: shapes differ");
+  const int64_t rows = h.size(0), n = h.size(1);
+  OF_DISPATCH(h.scalar_type(), [&] {
+    scalar* hp = mptr<scalar>(h);
+    const scalar* dp = d ? cptr<scalar>(*d) : nullptr;
+    const int64_t hs = h.stride(0), ds = d ? d->stride(0) : 0;
+    const scalar* wp = cptr<scalar>(w);
+    scalar* op = mptr<scalar>(out);
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> tmp(n);
+      for (int64_t r = b; r < e; ++r)
+        norm_row<scalar>(hp + r * hs, dp ? dp + r * ds : nullptr, wp, op + r * n,
+                         n, float(eps), tmp.data());
+    });
+  });
+}
+
+void rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& out) {
+  norm_impl(x, c10::nullopt, w, eps, out);
+}
+
+void add_rms_norm(const at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps,
+                  const at::Tensor& out) {
+  norm_impl(h, d, w, eps, out);
+}
+
+// ---------------------------------------------------------------- rotary
+
+// x [T, H, D] (rows strided, heads D apart), cos/sin [T, D] whose halves are equal:
+// x1' = x1*c - x2*s, x2' = x2*c + x1*s, each product and sum rounded as T.
+void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "rotary_ takes [T, heads, D] with contiguous heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == x.size(0) &&
+                  cos.size(1) == x.size(2) && sin.sizes() == cos.sizes(),
+              "rotary_: cos/sin must be contiguous [T, D]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary_: dtypes differ");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t xs = x.stride(0);
+  OF_DISPATCH(x.scalar_type(), [&] {
+    scalar* xp = mptr<scalar>(x);
+    const scalar* cp = cptr<scalar>(cos);
+    const scalar* sp = cptr<scalar>(sin);
+    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar* c = cp + t * D;
+        const scalar* s = sp + t * D;
+        for (int64_t h = 0; h < H; ++h) {
+          scalar* row = xp + t * xs + h * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = to_f(row[i]), x2 = to_f(row[i + half]);
+            const float ci = to_f(c[i]), si = to_f(s[i]);
+            const float a = rnd<scalar>(x1 * ci), bb = rnd<scalar>(x2 * si);
+            const float cc = rnd<scalar>(x2 * ci), dd = rnd<scalar>(x1 * si);
+            store(row + i, a - bb);
+            store(row + i + half, cc + dd);
+          }
+        }
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------- SiLU and multiply
+
+// out [T, I] = T(silu(g)) * u for gu [T, 2I] = [g | u] (silu(g) = g / (1 + exp(-g))).
+void silu_mul(const at::Tensor& gu, const at::Tensor& out) {
+  check_cpu(gu, "gu");
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && out.is_contiguous() &&
+                  out.size(0) == gu.size(0) && 2 * out.size(1) == gu.size(1),
+              "silu_mul takes gu [T, 2I] and out [T, I]");
+  TORCH_CHECK(out.scalar_type() == gu.scalar_type(), "silu_mul: dtypes differ");
+  const int64_t T = gu.size(0), I = out.size(1), gs = gu.stride(0);
+  OF_DISPATCH(gu.scalar_type(), [&] {
+    const scalar* gp = cptr<scalar>(gu);
+    scalar* op = mptr<scalar>(out);
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar* g = gp + t * gs;
+        const scalar* u = g + I;
+        scalar* o = op + t * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+          v16 gv = load16(g + i);
+          v16 sv = vround<scalar>(gv / (1.0f + vexp(-gv)));
+          store16(o + i, sv * load16(u + i));
+        }
+        for (; i < I; ++i) {
+          const float gv = to_f(g[i]);
+          store(o + i, rnd<scalar>(gv / (1.0f + exp1(-gv))) * to_f(u[i]));
+        }
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------- paged KV
+
+// k, v [T, H, D] (rows strided, heads contiguous) into caches [H, pages, P, D] at
+// flat slots (page * P + offset) [T].
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+              const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  check_cpu(k, "k");
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && k.stride(1) == k.size(2) &&
+                  v.sizes() == k.sizes() && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "write_kv takes k, v [T, heads, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.size(0) == k.size(1) && k_cache.size(3) == k.size(2) &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "write_kv: caches must be contiguous [heads, pages, P, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.size(0) == k.size(0),
+              "write_kv: slots must be int64 [T]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(),
+              "write_kv: dtypes differ");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t cap = k_cache.size(1) * k_cache.size(2);
+  const int64_t* sl = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < cap, "write_kv: slot ", sl[t], " outside the pool");
+  const int64_t es = k.element_size();
+  const char* kp = static_cast<const char*>(k.const_data_ptr());
+  const char* vp = static_cast<const char*>(v.const_data_ptr());
+  char* kc = static_cast<char*>(k_cache.mutable_data_ptr());
+  char* vc = static_cast<char*>(v_cache.mutable_data_ptr());
+  const int64_t ks = k.stride(0) * es, vs = v.stride(0) * es, row = D * es;
+  at::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t dst = (h * cap + sl[t]) * row;
+        std::memcpy(kc + dst, kp + t * ks + h * row, row);
+        std::memcpy(vc + dst, vp + t * vs + h * row, row);
+      }
+  });
+}
+
+// Decode attention: request b's query q[rows[b]] [heads, D] against the first lens[b]
+// keys of its pages tables[b] in the pool, all in float32; out[rows[b]] [heads, D].
+// Grouped query heads share their KV head: each key and value is read once per KV head.
+// The 16 sums of a[0..15] (one vector each) as the lanes of one vector: a transpose-and-add
+// tree (30 shuffles, 15 adds) instead of 16 horizontal sums.
+inline v16 sum16(v16* a) {
+  const v16i l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const v16i l1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const v16i l2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const v16i l2b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const v16i l3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const v16i l3b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const v16i l4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const v16i l4b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  v16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], l1a) +
+           __builtin_shuffle(a[2 * i], a[2 * i + 1], l1b);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], l2a) +
+           __builtin_shuffle(b[2 * i], b[2 * i + 1], l2b);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], l3a) +
+           __builtin_shuffle(c[2 * i], c[2 * i + 1], l3b);
+  return __builtin_shuffle(d[0], d[1], l4a) + __builtin_shuffle(d[0], d[1], l4b);
+}
+
+// Decode attention of one request and one KV head: its G query heads q [G, D] against the
+// first len keys of its pages (table), scores and softmax in float32; out [G, D].
+template <typename T>
+void decode_head(const T* q, int64_t G, int64_t D, const T* kc, const T* vc,
+                 const int64_t* table, int64_t len, int64_t P, float scale, T* out) {
+  const int64_t C = D / 16;
+  std::vector<v16> qv(G * C), acc(G * C, v16{});
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < C; ++c) qv[g * C + c] = load16(q + g * D + c * 16) * scale;
+  const int64_t padded = (len + 15) / 16 * 16;
+  std::vector<float> s(G * padded, -INFINITY);
+  const int64_t pages = (len + P - 1) / P;
+  std::vector<v16> part(G * 16), kv(C);
+  float qscale = 1.0f;  // applied to the scores where q is used unscaled
+#ifdef __AVX512BF16__
+  // bfloat16 keys: dot products by vdpbf16ps (pairs of bfloat16 products summed in float32,
+  // exact products), no conversion of the keys to float32.
+  constexpr bool dp = std::is_same<T, bf16>::value;
+  __m512bh qb[64];
+  const bool use_dp = dp && D % 32 == 0 && G * (D / 32) <= 64;
+  if (use_dp) {
+    qscale = scale;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < D / 32; ++c)
+        qb[g * (D / 32) + c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
+  }
+#else
+  constexpr bool use_dp = false;
+#endif
+  for (int64_t pi = 0; pi < pages; ++pi) {
+    const T* kp = kc + table[pi] * P * D;
+    const int64_t n = std::min(P, len - pi * P);
+    if (pi + 1 < pages) {  // the next page's keys while this one is computed
+      const char* next = reinterpret_cast<const char*>(kc + table[pi + 1] * P * D);
+      for (int64_t b = 0; b < P * D * int64_t(sizeof(T)); b += 64) __builtin_prefetch(next + b);
+    }
+    int64_t j = 0;
+    for (; j + 16 <= n && (pi * P + j) % 16 == 0; j += 16) {
+      for (int64_t jj = 0; jj < 16; ++jj) {  // each key loaded once for the G heads
+        const T* kr = kp + (j + jj) * D;
+#ifdef __AVX512BF16__
+        if (use_dp) {
+          const int64_t C2 = D / 32;
+          __m512bh kb[8];
+          for (int64_t c = 0; c < C2 && c < 8; ++c)
+            kb[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
+          for (int64_t g = 0; g < G; ++g) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t c = 0; c < C2; ++c)
+              a = _mm512_dpbf16_ps(a, qb[g * C2 + c],
+                                   c < 8 ? kb[c] : (__m512bh)_mm512_loadu_si512(kr + c * 32));
+            part[g * 16 + jj] = (v16)a;
+          }
+          continue;
+        }
+#endif
+        for (int64_t c = 0; c < C; ++c) kv[c] = load16(kr + c * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          v16 a = qv[g * C] * kv[0];
+          for (int64_t c = 1; c < C; ++c) a += qv[g * C + c] * kv[c];
+          part[g * 16 + jj] = a;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        store16(s.data() + g * padded + pi * P + j, sum16(part.data() + g * 16) * qscale);
+    }
+    for (; j < n; ++j) {
+      const T* kr = kp + j * D;
+      for (int64_t g = 0; g < G; ++g) {
+        v16 a = qv[g * C] * load16(kr);
+        for (int64_t c = 1; c < C; ++c) a += qv[g * C + c] * load16(kr + c * 16);
+        s[g * padded + pi * P + j] = hsum(a);
+      }
+    }
+  }
+  std::vector<float> total(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s.data() + g * padded;
+    v16 mv = v16{} - INFINITY;
+    for (int64_t t = 0; t < padded; t += 16) {
+      const v16 x = load16(sg + t);
+      mv = x > mv ? x : mv;
+    }
+    float m = -INFINITY;
+    for (int i = 0; i < 16; ++i) m = mv[i] > m ? mv[i] : m;
+    v16 sum = v16{};
+    for (int64_t t = 0; t < padded; t += 16) {
+      const v16 e = vexp(load16(sg + t) - m);  // lanes past len: exp(-inf) = 0
+      store16(sg + t, e);
+      sum += e;
+    }
+    total[g] = hsum(sum);
+  }
+  for (int64_t pi = 0; pi < pages; ++pi) {
+    const T* vp = vc + table[pi] * P * D;
+    const int64_t n = std::min(P, len - pi * P);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vr = vp + j * D;
+      const int64_t t = pi * P + j;
+      for (int64_t c = 0; c < C; ++c) {
+        const v16 vv = load16(vr + c * 16);
+        for (int64_t g = 0; g < G; ++g) acc[g * C + c] += s[g * padded + t] * vv;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.0f / total[g];
+    for (int64_t c = 0; c < C; ++c) store16(out + g * D + c * 16, acc[g * C + c] * inv);
+  }
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& tables,
+                      const at::Tensor& lens, double scale, const at::Tensor& out) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "decode_attention: q must be [T, heads, D] with contiguous heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(),
+              "decode_attention: out must be contiguous like q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == q.size(2),
+              "decode_attention: caches must be contiguous [kv_heads, pages, P, D]");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(0);
+  TORCH_CHECK(H % KVH == 0 && D % 16 == 0, "decode_attention: heads ", H, " over ", KVH,
+              " kv heads, head_dim ", D, " (a multiple of 16)");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && tables.scalar_type() == at::kLong &&
+                  lens.scalar_type() == at::kLong && rows.is_contiguous() &&
+                  tables.is_contiguous() && lens.is_contiguous() && tables.dim() == 2,
+              "decode_attention: rows, tables, lens must be contiguous int64");
+  const int64_t B = rows.size(0), W = tables.size(1), P = k_cache.size(2);
+  const int64_t NP = k_cache.size(1);
+  TORCH_CHECK(tables.size(0) == B && lens.size(0) == B, "decode_attention: batch sizes differ");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "decode_attention: dtypes differ");
+  const int64_t* rp = rows.const_data_ptr<int64_t>();
+  const int64_t* tp = tables.const_data_ptr<int64_t>();
+  const int64_t* lp = lens.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(rp[b] >= 0 && rp[b] < q.size(0), "decode_attention: row out of range");
+    TORCH_CHECK(lp[b] > 0 && lp[b] <= W * P, "decode_attention: length ", lp[b],
+                " outside 1..", W * P);
+    for (int64_t i = 0; i < (lp[b] + P - 1) / P; ++i)
+      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < NP, "decode_attention: page out of range");
+  }
+  const int64_t G = H / KVH;
+  OF_DISPATCH(q.scalar_type(), [&] {
+    const scalar* qp = cptr<scalar>(q);
+    const scalar* kc = cptr<scalar>(k_cache);
+    const scalar* vc = cptr<scalar>(v_cache);
+    scalar* op = mptr<scalar>(out);
+    const int64_t qs = q.stride(0);
+    at::parallel_for(0, B * KVH, 1, [&](int64_t b0, int64_t e0) {
+      for (int64_t task = b0; task < e0; ++task) {
+        const int64_t b = task / KVH, kh = task % KVH;
+        decode_head<scalar>(qp + rp[b] * qs + kh * G * D, G, D, kc + kh * NP * P * D,
+                            vc + kh * NP * P * D, tp + b * W, lp[b], P, float(scale),
+                            op + rp[b] * H * D + kh * G * D);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(omniflow_engine, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!) out) -> ()");
+  m.def("add_rms_norm(Tensor(a!) h, Tensor d, Tensor w, float eps, Tensor(b!) out) -> ()");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()");
+  m.def("write_kv(Tensor k, Tensor v, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache) -> ()");
+  m.def(
+      "decode_attention(Tensor q, Tensor rows, Tensor k_cache, Tensor v_cache, Tensor tables, "
+      "Tensor lens, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(omniflow_engine, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("rotary_", rotary_);
+  m.impl("silu_mul", silu_mul);
+  m.impl("write_kv", write_kv);
+  m.impl("decode_attention", decode_attention);
+}

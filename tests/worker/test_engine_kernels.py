@@ -1,0 +1,188 @@
+"""The engine's fused CPU kernels against transformers' modules and torch's attention.
+
+bfloat16: RMSNorm (with its residual add), rotary and SiLU-and-multiply are bit-identical to
+transformers' ``LlamaRMSNorm``, ``apply_rotary_pos_emb`` and ``LlamaMLP``'s activation; in
+float32 they agree to float rounding. Decode attention over pages equals float64 SDPA over
+the same keys to float32 accuracy. Bad input is refused with an error, never a crash.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omniflow_services.worker.engine import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason="no C++ compiler for the kernels")
+transformers = pytest.importorskip("transformers")
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.models.llama.modeling_llama import (  # noqa: E402
+    LlamaRMSNorm,
+    apply_rotary_pos_emb,
+)
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def same(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_add_match_llama_rms_norm(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g))
+        h = (torch.randn(97, 576, generator=g) * 5).to(dtype)
+        d = torch.randn(97, 576, generator=g).to(dtype)
+        out = torch.empty_like(h)
+        kernels.ops().rms_norm(h, norm.weight, 1e-5, out)
+        same(out, norm(h), dtype)
+        stream = h.clone()
+        kernels.ops().add_rms_norm(stream, d, norm.weight, 1e-5, out)
+        assert torch.equal(stream, h + d)  # the residual add, rounded once as torch does
+        same(out, norm(h + d), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_matches_apply_rotary_pos_emb(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    tokens, heads, dim = 41, 12, 64
+    x = (torch.randn(tokens, heads, dim, generator=g) * 3).to(dtype)
+    freqs = torch.rand(tokens, dim // 2, generator=g) * 40
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    want, _ = apply_rotary_pos_emb(
+        x.transpose(0, 1)[None], x[:1].transpose(0, 1)[None], cos[None], sin[None]
+    )
+    # rotated in place inside a wider row, as the QKV projection's q and k heads are
+    qkv = torch.zeros(tokens, (heads + 3) * dim, dtype=dtype)
+    qkv[:, : heads * dim] = x.reshape(tokens, -1)
+    view = qkv[:, : heads * dim].view(tokens, heads, dim)
+    kernels.ops().rotary_(view, cos, sin)
+    assert torch.equal(view, want[0].transpose(0, 1))  # every dtype: the same roundings
+    assert torch.equal(qkv[:, heads * dim :], torch.zeros(tokens, 3 * dim, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_the_llama_mlp_activation(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    inter = 1536
+    gu = (torch.randn(33, 2 * inter + 0, generator=g) * 4).to(dtype)
+    gu[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30, 30.0, -30.0])
+    out = torch.empty(33, inter, dtype=dtype)
+    kernels.ops().silu_mul(gu, out)
+    act = ACT2FN["silu"]
+    same(out, act(gu[:, :inter]) * gu[:, inter:], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_equals_sdpa_over_the_same_keys(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(4)
+    kv_heads, heads, dim, page, pages = 3, 9, 64, 16, 80
+    k_cache = torch.randn(kv_heads, pages, page, dim, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, pages, page, dim, generator=g).to(dtype)
+    lens = torch.tensor([1, 16, 17, 50, 200, 301])
+    width = 20
+    tables = torch.stack([torch.randperm(pages, generator=g)[:width] for _ in lens])
+    q = torch.randn(9, heads, dim, generator=g).to(dtype)
+    rows = torch.tensor([0, 2, 3, 5, 7, 8])
+    out = torch.full_like(q, 7.0)
+    kernels.ops().decode_attention(q, rows, k_cache, v_cache, tables, lens, 0.125, out)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-6
+    for b, n in enumerate(lens.tolist()):
+        keys = k_cache[:, tables[b]].reshape(kv_heads, -1, dim)[:, :n].double()
+        values = v_cache[:, tables[b]].reshape(kv_heads, -1, dim)[:, :n].double()
+        want = F.scaled_dot_product_attention(
+            q[rows[b]].double()[None, :, None],
+            keys[None],
+            values[None],
+            scale=0.125,
+            enable_gqa=True,
+        )[0, :, 0]
+        torch.testing.assert_close(out[rows[b]].double(), want, atol=tol, rtol=tol)
+    untouched = [r for r in range(9) if r not in rows.tolist()]
+    assert torch.equal(out[untouched], torch.full_like(out[untouched], 7.0))
+
+
+def test_write_kv_places_rows_like_index_copy() -> None:
+    g = torch.Generator().manual_seed(5)
+    kv_heads, dim = 3, 64
+    cache = torch.randn(kv_heads, 8, 16, dim, generator=g)
+    kv = torch.randn(5, 2 * kv_heads * dim, generator=g)
+    k = kv[:, : kv_heads * dim].view(5, kv_heads, dim)
+    v = kv[:, kv_heads * dim :].view(5, kv_heads, dim)
+    slots = torch.tensor([0, 17, 40, 3, 127])
+    k_got, v_got = cache.clone(), cache.clone()
+    kernels.ops().write_kv(k, v, slots, k_got, v_got)
+    k_want, v_want = cache.clone(), cache.clone()
+    k_want.view(kv_heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
+    v_want.view(kv_heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+
+def test_bad_input_is_refused_with_an_error() -> None:
+    ops = kernels.ops()
+    cache = torch.zeros(2, 4, 16, 32)
+    k = torch.zeros(2, 2, 32)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.write_kv(k, k, torch.tensor([0, 64]), cache, cache.clone())
+    q = torch.zeros(1, 4, 32)
+    with pytest.raises(RuntimeError, match="page out of range"):
+        ops.decode_attention(
+            q,
+            torch.tensor([0]),
+            cache,
+            cache,
+            torch.tensor([[9]]),
+            torch.tensor([3]),
+            1.0,
+            q.clone(),
+        )
+    with pytest.raises(RuntimeError, match="length"):
+        ops.decode_attention(
+            q,
+            torch.tensor([0]),
+            cache,
+            cache,
+            torch.tensor([[0]]),
+            torch.tensor([17]),
+            1.0,
+            q.clone(),
+        )
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        ops.rms_norm(
+            torch.zeros(2, 8, dtype=torch.float16),
+            torch.ones(8, dtype=torch.float16),
+            1e-6,
+            torch.zeros(2, 8, dtype=torch.float16),
+        )
+
+
+def test_engine_with_kernels_matches_transformers_in_bfloat16(tiny_factory) -> None:  # type: ignore[no-untyped-def]
+    """A mixed batch (chunked prefill, decode) in bfloat16 on both paths: at every generated
+    position the logits equal transformers' bfloat16 forward over the same tokens up to
+    bfloat16 rounding (attention accumulates differently: SDPA rounds its probabilities to
+    bfloat16, the kernel keeps float32)."""
+    from engine_helpers import greedy, run_all
+
+    tiny = tiny_factory("llama", shards=2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.bfloat16).eval()
+    prompts = [tiny.prompt(n, seed=300 + n) for n in (5, 23, 40)]
+    reqs = [greedy(f"r{i}", p, 10) for i, p in enumerate(prompts)]
+    for kind in ("native", "torch"):
+        engine = tiny.engine(dtype="bfloat16", kernels=kind, max_num_batched_tokens=32)
+        assert engine.model.fused == (kind == "native")
+        res = run_all(engine, reqs)
+        for i, p in enumerate(prompts):
+            got = res[f"r{i}"]
+            assert got.logits is not None
+            with torch.no_grad():
+                want = hf(torch.tensor([p + got.tokens])).logits[0, len(p) - 1 : -1].float()
+            torch.testing.assert_close(got.logits, want, atol=0.2, rtol=0.02)
+            assert got.tokens[0] == int(want[0].argmax())
