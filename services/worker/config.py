@@ -51,6 +51,14 @@ class WorkerSettings(CommonSettings):
     dtype: str = setting(
         "OMNIFLOW_WORKER_DTYPE", "float32", "weights and KV dtype", choices=("float32", "bfloat16")
     )
+    kernels: str = setting(
+        "OMNIFLOW_WORKER_KERNELS",
+        "auto",
+        "the built-in engine's elementwise and decode-attention kernels: native (fused C++, "
+        "compiled on first use, cached in ~/.cache/omniflow/kernels), torch, or auto (native "
+        "where a compiler builds them); see docs/engine.md",
+        choices=("auto", "native", "torch"),
+    )
     kv_agent_addr: str = peer_address("OMNIFLOW_KV_AGENT_ADDR", "this node's kv-agent")
     torch_threads: int = setting(
         "OMNIFLOW_WORKER_TORCH_THREADS",

@@ -58,6 +58,7 @@ class WorkerCore:
             kv_cache_bytes=s.kv_cache_bytes,
             max_num_batched_tokens=s.max_batch_tokens,
             max_num_seqs=s.max_seqs,
+            kernels=s.kernels,
         )
         if self.role in ("encoder", "diffusion", "talker"):
             if s.engine != "torch":

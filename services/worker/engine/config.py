@@ -112,7 +112,7 @@ class EngineConfig:
     copy kept across steps (``decode_kv``; the torch path only); 0 gathers the pages at
     every step instead. ``kernels`` picks the elementwise and decode-attention kernels:
     "native" (the fused CPU kernels of ``kernels.cpp``, built on first use), "torch" (torch
-    ops) or "auto" (native where they apply and build; ``OMNIFLOW_ENGINE_KERNELS`` overrides).
+    ops) or "auto" (native where they apply and build).
     """
 
     dtype: str = "float32"

@@ -9,9 +9,9 @@ decode attention reads each request's keys and values in place from the paged po
 The extension is built with the machine's C++ compiler (``torch.utils.cpp_extension``,
 ``-march=native``) into ``~/.cache/omniflow/kernels/<key>`` (``OMNIFLOW_KERNEL_CACHE``), the
 key covering the source, torch's version and the CPU's flags; torch's build lock lets several
-workers start at once. Where no compiler exists, or ``OMNIFLOW_ENGINE_KERNELS=torch``, the
-engine runs its torch path: the same results, slower. ``main`` builds it ahead of time
-(``make setup`` and CI call it).
+workers start at once. Where no compiler exists, or with ``EngineConfig.kernels="torch"``
+(a worker's ``OMNIFLOW_WORKER_KERNELS``), the engine runs its torch path: the same results,
+slower. ``main`` builds the kernels ahead of time (``make setup`` and CI call it).
 """
 
 from __future__ import annotations
@@ -95,9 +95,8 @@ def load() -> bool:
 def wanted(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model of ``dtype`` on ``device`` runs the kernels under setting ``choice``
     ("auto": where they apply and build; "native": required; "torch": never)."""
-    env = os.environ.get("OMNIFLOW_ENGINE_KERNELS", "").strip().lower()
-    if env in CHOICES and choice == "auto":
-        choice = env
+    if choice not in CHOICES:
+        raise ValueError(f"kernels {choice!r} not accepted; accepted: {list(CHOICES)}")
     if choice == "torch":
         return False
     applies = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
