@@ -487,6 +487,146 @@ void decode_head(const T* q, int64_t G, int64_t D, const T* kc, const T* vc,
   }
 }
 
+// decode_head with the group size G and head_dim / 16 = C known at compile time: every loop
+// over heads and chunks unrolls, so the G x C accumulators and query chunks stay in registers
+// (the runtime-sized version keeps them in memory). Same algorithm, same results.
+template <typename T, int G, int C>
+void decode_head_fixed(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len,
+                       int64_t P, float scale, T* out) {
+  constexpr int D = C * 16;
+  const int64_t padded = (len + 15) / 16 * 16;
+  std::vector<float> s(G * padded, -INFINITY);
+  v16 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = load16(q + g * D + c * 16) * scale;
+#ifdef __AVX512BF16__
+  constexpr bool dp = std::is_same<T, bf16>::value && C % 2 == 0;
+  constexpr int C2 = C / 2 > 0 ? C / 2 : 1;
+  __m512bh qb[G][C2];
+  if constexpr (dp)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C2; ++c) qb[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
+#else
+  constexpr bool dp = false;
+#endif
+  const float qscale = dp ? scale : 1.0f;
+  const int64_t pages = (len + P - 1) / P;
+  for (int64_t pi = 0; pi < pages; ++pi) {
+    const T* kp = kc + table[pi] * P * D;
+    const int64_t n = std::min(P, len - pi * P);
+    if (pi + 1 < pages) {  // the next page's keys while this one is computed
+      const char* next = reinterpret_cast<const char*>(kc + table[pi + 1] * P * D);
+      for (int64_t b = 0; b < P * D * int64_t(sizeof(T)); b += 64) __builtin_prefetch(next + b);
+    }
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      v16 part[G][16];
+      for (int jj = 0; jj < 16; ++jj) {
+        const T* kr = kp + (j + jj) * D;
+#ifdef __AVX512BF16__
+        if constexpr (dp) {
+          __m512bh kb[C2];
+          for (int c = 0; c < C2; ++c) kb[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
+          for (int g = 0; g < G; ++g) {
+            __m512 a = _mm512_setzero_ps();
+            for (int c = 0; c < C2; ++c) a = _mm512_dpbf16_ps(a, qb[g][c], kb[c]);
+            part[g][jj] = (v16)a;
+          }
+          continue;
+        }
+#endif
+        v16 kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = load16(kr + c * 16);
+        for (int g = 0; g < G; ++g) {
+          v16 a = qv[g][0] * kv[0];
+          for (int c = 1; c < C; ++c) a += qv[g][c] * kv[c];
+          part[g][jj] = a;
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        store16(s.data() + g * padded + pi * P + j, sum16(part[g]) * qscale);
+    }
+    for (; j < n; ++j) {
+      const T* kr = kp + j * D;
+      for (int g = 0; g < G; ++g) {
+        v16 a = qv[g][0] * load16(kr);
+        for (int c = 1; c < C; ++c) a += qv[g][c] * load16(kr + c * 16);
+        s[g * padded + pi * P + j] = hsum(a);
+      }
+    }
+  }
+  float total[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = s.data() + g * padded;
+    v16 mv = v16{} - INFINITY;
+    for (int64_t t = 0; t < padded; t += 16) {
+      const v16 x = load16(sg + t);
+      mv = x > mv ? x : mv;
+    }
+    float m = -INFINITY;
+    for (int i = 0; i < 16; ++i) m = mv[i] > m ? mv[i] : m;
+    v16 sum = v16{};
+    for (int64_t t = 0; t < padded; t += 16) {
+      const v16 e = vexp(load16(sg + t) - m);  // lanes past len: exp(-inf) = 0
+      store16(sg + t, e);
+      sum += e;
+    }
+    total[g] = hsum(sum);
+  }
+  v16 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = v16{};
+  for (int64_t pi = 0; pi < pages; ++pi) {
+    const T* vp = vc + table[pi] * P * D;
+    const int64_t n = std::min(P, len - pi * P);
+    if (pi + 1 < pages) {
+      const char* next = reinterpret_cast<const char*>(vc + table[pi + 1] * P * D);
+      for (int64_t b = 0; b < P * D * int64_t(sizeof(T)); b += 64) __builtin_prefetch(next + b);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vr = vp + j * D;
+      const int64_t t = pi * P + j;
+      v16 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load16(vr + c * 16);
+      for (int g = 0; g < G; ++g) {
+        const float p = s[g * padded + t];
+        for (int c = 0; c < C; ++c) acc[g][c] += p * vv[c];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.0f / total[g];
+    for (int c = 0; c < C; ++c) store16(out + g * D + c * 16, acc[g][c] * inv);
+  }
+}
+
+template <typename T>
+using HeadFn = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t, float, T*);
+
+template <typename T, int C>
+HeadFn<T> fixed_for_group(int64_t G) {
+  switch (G) {
+    case 1: return &decode_head_fixed<T, 1, C>;
+    case 2: return &decode_head_fixed<T, 2, C>;
+    case 3: return &decode_head_fixed<T, 3, C>;
+    case 4: return &decode_head_fixed<T, 4, C>;
+    case 5: return &decode_head_fixed<T, 5, C>;
+    case 6: return &decode_head_fixed<T, 6, C>;
+    case 7: return &decode_head_fixed<T, 7, C>;
+    case 8: return &decode_head_fixed<T, 8, C>;
+    default: return nullptr;
+  }
+}
+
+// The compile-time variant for (group, head_dim) where one exists (head_dim 64 or 128,
+// groups of 1 to 8 query heads: the common models), else nullptr (the runtime-sized one).
+template <typename T>
+HeadFn<T> fixed_head(int64_t G, int64_t D) {
+  if (D == 64) return fixed_for_group<T, 4>(G);
+  if (D == 128) return fixed_for_group<T, 8>(G);
+  return nullptr;
+}
+
 void decode_attention(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& tables,
                       const at::Tensor& lens, double scale, const at::Tensor& out) {
@@ -528,9 +668,15 @@ void decode_attention(const at::Tensor& q, const at::Tensor& rows, const at::Ten
     const scalar* vc = cptr<scalar>(v_cache);
     scalar* op = mptr<scalar>(out);
     const int64_t qs = q.stride(0);
+    const HeadFn<scalar> fixed = fixed_head<scalar>(G, D);
     at::parallel_for(0, B * KVH, 1, [&](int64_t b0, int64_t e0) {
       for (int64_t task = b0; task < e0; ++task) {
         const int64_t b = task / KVH, kh = task % KVH;
+        if (fixed) {
+          fixed(qp + rp[b] * qs + kh * G * D, kc + kh * NP * P * D, vc + kh * NP * P * D,
+                tp + b * W, lp[b], P, float(scale), op + rp[b] * H * D + kh * G * D);
+          continue;
+        }
         decode_head<scalar>(qp + rp[b] * qs + kh * G * D, G, D, kc + kh * NP * P * D,
                             vc + kh * NP * P * D, tp + b * W, lp[b], P, float(scale),
                             op + rp[b] * H * D + kh * G * D);
