@@ -24,8 +24,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TypeVar
 
 import numpy as np
@@ -43,104 +41,25 @@ from omniflow.kv.arena import HostArena
 from omniflow.kv.blocks import KVLayout, check_hash, check_namespace
 from omniflow.kv.checksum import page_checksum
 from omniflow.kv.pages import PageAssembler, PageData, as_bytes, page_chunks
+from omniflow.kv.sources import (
+    TIER_KIND,
+    NoArena,
+    PageSet,
+    Plan,
+    Source,
+    SourceKind,
+    TransportStats,
+)
 from omniflow.kv.wire import layout_to_proto
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.context import failed_call
 from omniflow.rpc.interceptors import TracedChannel
 
+__all__ = ["KVClient", "NoArena", "PageSet", "Plan", "Source", "SourceKind", "TransportStats"]
+
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-class SourceKind(StrEnum):
-    DEVICE = "device"  # the caller's own device pool
-    HOST = "host"  # the local agent's shared-memory tier
-    SSD = "ssd"  # the local agent's SSD tier
-    REMOTE = "remote"  # another node's agent
-    NONE = "none"
-
-
-_TIER_KIND = {1: SourceKind.DEVICE, 2: SourceKind.HOST, 3: SourceKind.SSD}
-
-
-class NoArena(FailedPrecondition):
-    """The agent's shared-memory arena cannot be mapped here (another node or container)."""
-
-
-@dataclass(slots=True)
-class TransportStats:
-    """Page traffic of one client since start (``read``/``write`` and the streams)."""
-
-    pages_put: int = 0
-    pages_got: int = 0
-    pages_pulled: int = 0
-    checksum_failures: int = 0
-    zero_copy_puts: int = 0
-    streamed_puts: int = 0
-    zero_copy_gets: int = 0
-    streamed_gets: int = 0
-    errors: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Source:
-    """Where the leading ``blocks`` of a chain can be had from, cheapest first."""
-
-    kind: SourceKind
-    blocks: int
-    owner_id: str = ""
-    address: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """The index's answer, ranked: ``best`` is what ``acquire`` will use."""
-
-    sources: tuple[Source, ...]
-    longest_prefix: int
-
-    @property
-    def best(self) -> Source:
-        return self.sources[0] if self.sources else Source(SourceKind.NONE, 0)
-
-
-@dataclass(slots=True)
-class PageSet:
-    """Pinned pages in the local arena. ``views[i]`` is page ``i`` of the chain, in place.
-
-    The views are valid until ``release`` (or the agent's pin TTL); copy what must outlive
-    it. Use as an async context manager, or call ``release`` once.
-    """
-
-    namespace: bytes
-    hashes: list[bytes]
-    views: list[np.ndarray]
-    checksums: list[int]
-    source: Source
-    pin_id: str = ""
-    _client: KVClient | None = field(default=None, repr=False)
-
-    def __len__(self) -> int:
-        return len(self.views)
-
-    def verify(self) -> None:
-        """Check every page against its checksum (DataLoss on the first mismatch)."""
-        for h, view, want in zip(self.hashes, self.views, self.checksums, strict=True):
-            if page_checksum(view) != want:
-                raise DataLoss(f"page {h.hex()} changed in the arena; recompute")
-
-    async def release(self) -> None:
-        client, self._client = self._client, None
-        self.views = []
-        if client is not None and self.pin_id:
-            await client._unpin(self.pin_id)
-
-    async def __aenter__(self) -> PageSet:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()
 
 
 class KVClient:
@@ -284,7 +203,7 @@ class KVClient:
             if o.owner_id == self.device_owner_id and self.device_owner_id:
                 kind = SourceKind.DEVICE
             elif o.owner_id == agent_id:
-                kind = _TIER_KIND.get(o.tier, SourceKind.SSD)
+                kind = TIER_KIND.get(o.tier, SourceKind.SSD)
             elif o.kind == kvindex_pb2.OWNER_KIND_AGENT:
                 kind = SourceKind.REMOTE
             else:

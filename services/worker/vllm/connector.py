@@ -57,10 +57,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from omniflow.errors import InvalidArgument
-from omniflow.kv.blocking import AgentPageStore, agent_settings
-from omniflow.kv.blocks import ROOT_PARENT, KVLayout, hash_page
+from omniflow.kv.blocking import AgentPageStore
+from omniflow.kv.blocks import ROOT_PARENT, hash_page
 from omniflow.logsetup import setup_logging
+from omniflow_services.worker.vllm.connector_config import (
+    CLASS_NAME,
+    MODULE_PATH,
+    ConnectorConfig,
+    extra_config,
+    transfer_config,
+)
 from omniflow_services.worker.vllm.pages import BlockFormat
+
+__all__ = [
+    "CLASS_NAME",
+    "MODULE_PATH",
+    "ConnectorConfig",
+    "OmniflowConnector",
+    "extra_config",
+    "transfer_config",
+]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,88 +90,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MODULE_PATH = __name__
-CLASS_NAME = "OmniflowConnector"
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 RETRY_S = 5.0
 # A finished lookup answers vLLM's asks for the same request for this long after its first
 # answer (vLLM asks again when it could not allocate the request's blocks in that step).
 LOOKUP_FRESH_S = 2.0
 LOOKUP_THREADS = 4
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectorConfig:
-    """Our fields of ``kv_connector_extra_config``: the agent, the index and the layout."""
-
-    agent_address: str
-    index_address: str
-    layout: KVLayout
-    kv_format: str = "cpu-amx"  # pages.FORMATS: how vLLM's blocks map to pages
-    timeout_s: float = 10.0
-    save: bool = True
-    load: bool = True
-    load_async: bool = True  # a request waits for its pages apart; the batch steps on
-    max_queued_saves: int = 64
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
-        agent, index, timeout = agent_settings(extra, "kv_connector_extra_config")
-        try:
-            layout = KVLayout(
-                model_id=str(extra["model_id"]),
-                num_layers=int(extra["num_layers"]),
-                num_kv_heads=int(extra["num_kv_heads"]),
-                head_dim=int(extra["head_dim"]),
-                dtype=str(extra["dtype"]),
-                page_size=int(extra.get("page_size", 16)),
-            )
-            kv_format = str(extra["kv_format"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidArgument(
-                f"kv_connector_extra_config: {exc!r}; it needs model_id, num_layers, "
-                "num_kv_heads, head_dim, dtype, kv_format (and optionally page_size, timeout_s)"
-            ) from None
-        return cls(
-            agent_address=agent,
-            index_address=index,
-            layout=layout,
-            kv_format=kv_format,
-            timeout_s=timeout,
-            save=bool(extra.get("save", True)),
-            load=bool(extra.get("load", True)),
-            load_async=bool(extra.get("load_async", True)),
-        )
-
-
-def extra_config(
-    agent_address: str, index_address: str, layout: KVLayout, kv_format: str
-) -> dict[str, Any]:
-    """The ``kv_connector_extra_config`` that points the connector at the agent."""
-    return {
-        "kv_format": kv_format,
-        "agent_address": agent_address,
-        "index_address": index_address,
-        "model_id": layout.model_id,
-        "num_layers": layout.num_layers,
-        "num_kv_heads": layout.num_kv_heads,
-        "head_dim": layout.head_dim,
-        "dtype": layout.dtype,
-        "page_size": layout.page_size,
-    }
-
-
-def transfer_config(
-    agent_address: str, index_address: str, layout: KVLayout, kv_format: str
-) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` for this connector."""
-    return {
-        "kv_connector": CLASS_NAME,
-        "kv_connector_module_path": MODULE_PATH,
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra_config(agent_address, index_address, layout, kv_format),
-    }
 
 
 # --- scheduler → worker metadata ----------------------------------------------------------
