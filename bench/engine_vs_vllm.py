@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         v = f"{r['vllm']:10.1f}" if r["vllm"] else f"{'-':>10}"
         h = f"{r['hf']:12.1f}" if r["hf"] else f"{'-':>12}"
         ratio = f"{r['ours'] / r['vllm']:8.2f}x" if r["vllm"] else f"{'-':>9}"
-        same = "-" if r["same"] is None else ("yes" if r["same"] else "no")
+        # the first request's greedy tokens: how many leading ones equal vLLM's
+        same = "-" if r["same"] is None else f"{r['same']}/{r['out']}"
         extra = ""
         if args.baseline:
             b = r["base"]
@@ -314,6 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         print(f"baseline: the engine as of {args.baseline}")
     return 0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def bench_dtype(args: argparse.Namespace, dtype: str, levels: list[int]) -> list[dict]:
@@ -334,7 +345,8 @@ def bench_dtype(args: argparse.Namespace, dtype: str, levels: list[int]) -> list
                 "ours": ours[k]["tok_s"],
                 "hf": hf[k]["tok_s"] if hf else 0.0,
                 "vllm": v["tok_s"] if v else 0.0,
-                "same": (v["first"] == ours[k]["first"]) if v else None,
+                "same": common_prefix(v["first"], ours[k]["first"]) if v else None,
+                "out": len(ours[k]["first"]),
                 "base": base[k]["tok_s"] if base else 0.0,
             }
         )
