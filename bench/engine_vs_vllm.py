@@ -7,14 +7,16 @@ its own virtualenv (``--vllm-python``, default ~/.cache/omniflow/venvs/vllm) as 
 driving ``LLM.generate`` with the same token ids; the engine and transformers run here.
 
     python bench/engine_vs_vllm.py                             # 1, 8, 32 x bf16, fp32
-    python bench/engine_vs_vllm.py --concurrency 1,8 --dtypes bfloat16 --repeat 2
+    python bench/engine_vs_vllm.py --concurrency 1,8 --dtypes bfloat16 --rounds 3
     python bench/engine_vs_vllm.py --busy 1                    # a second process spins a core
     python bench/engine_vs_vllm.py --baseline cdd3cb8          # also the engine as of a commit
 
 With fewer ``--threads`` than cores, every system is bound to the same first cores (vLLM
 through ``VLLM_CPU_OMP_THREADS_BIND``, the others by CPU affinity), and ``--busy N`` spins N
 processes on those same cores, one each: every system shares its cores with them alike.
-Every system runs in a fresh process of its own on the same prompts; ``--baseline REF``
+Every system runs in a process of its own on the same prompts, started once per dtype; then
+each level runs ``--rounds`` times per system, the systems taking turns (a slow minute of a
+shared machine hits them alike), and each system's best run is kept. ``--baseline REF``
 adds the engine package as it was at git ``REF`` (exported into a temporary folder that
 shadows the installed one): before/after in the same run.
 """
@@ -25,10 +27,12 @@ import argparse
 import json
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -53,15 +57,13 @@ def go(prompts, n):
     got = sum(len(o.outputs[0].token_ids) for o in outs)
     assert got == n * len(prompts), got
     return got / dt, [list(o.outputs[0].token_ids) for o in outs]
-go(job["prompts"]["1"][:1], 4)
-res = {}
-for lvl in job["levels"]:
-    best, toks = 0.0, None
-    for _ in range(job["repeat"]):
-        rate, toks = go(job["prompts"][str(lvl)], job["output_len"])
-        best = max(best, rate)
-    res[str(lvl)] = {"tok_s": best, "first": toks[0]}
-print("RESULT " + json.dumps(res), flush=True)
+go([job["prompts"][str(job["levels"][0])][0]], 4)  # warm-up: a full-length prompt
+print("READY", flush=True)
+for line in sys.stdin:  # one level per line, answered with one run's result
+    if line.strip() == "quit":
+        break
+    rate, toks = go(job["prompts"][line.strip()], job["output_len"])
+    print("RESULT " + json.dumps({"tok_s": rate, "first": toks[0]}), flush=True)
 """
 
 
@@ -113,76 +115,117 @@ else:
                               min_new_tokens=n, do_sample=False, pad_token_id=0)
             dt = time.perf_counter() - t
         return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt, out[0, ids.shape[1]:].tolist()
-go([prompts[str(lv[0])][0][:32]], 2)
-res = {}
-for n in lv:
-    best, first = 0.0, []
-    for _ in range(job["repeat"]):
-        rate, first = go(prompts[str(n)], n_out)
-        best = max(best, rate)
-    res[str(n)] = {"tok_s": best, "first": first}
-print("RESULT " + json.dumps(res), flush=True)
+go([prompts[str(lv[0])][0]], 2)  # warm-up: a full-length prompt
+print("READY", flush=True)
+for line in sys.stdin:  # one level per line, answered with one run's result
+    if line.strip() == "quit":
+        break
+    rate, first = go(prompts[line.strip()], n_out)
+    print("RESULT " + json.dumps({"tok_s": rate, "first": first}), flush=True)
 """
 
 
-def _result(proc: subprocess.CompletedProcess[str], what: str) -> dict[str, dict]:
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    sys.stderr.write(proc.stderr[-4000:])
-    raise RuntimeError(f"{what} run failed (exit {proc.returncode}); its stderr is above")
+class Peer:
+    """One measured system in a process of its own, kept alive across levels and rounds:
+    each ``run(level)`` is one timed run of that level's prompts (the process's first
+    answer is READY, after loading and a warm-up). Killed with its whole session."""
+
+    def __init__(self, what: str, cmd: list[str], env: dict[str, str], timeout: float) -> None:
+        self.what, self.timeout = what, timeout
+        self._err = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            start_new_session=True,
+        )
+        self._read("READY")
+
+    def _read(self, want: str) -> str:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 1.0)
+            if not ready:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(want):
+                return line[len(want) :].strip()
+        self._err.seek(0)
+        sys.stderr.write(self._err.read()[-4000:])
+        self.close()
+        raise RuntimeError(f"{self.what} gave no {want} within {self.timeout:.0f} s (stderr above)")
+
+    def run(self, level: int) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{level}\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read("RESULT "))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # vLLM's engine process goes too
+            self.proc.wait()
+        self._err.close()
 
 
-def run_system(
+def start_system(
     args: argparse.Namespace,
     dtype: str,
     prompts: dict[int, list[list[int]]],
     system: str,
-    ref: str = "",
-) -> dict[str, dict]:
-    """``system`` ("engine" or "hf") in a fresh subprocess; the engine as of git ``ref``
-    when given (exported into a temporary folder that shadows the installed package)."""
+    ref: str,
+    tmp: Path,
+) -> Peer:
+    """``system`` ("engine" or "hf") in a process of its own; the engine as of git ``ref``
+    when given (exported into ``tmp``, a folder that shadows the installed package)."""
     repo = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory(prefix="omniflow-bench-") as tmp:
-        root = Path(tmp)
-        env = dict(os.environ)
-        pkg = repo / "services"
-        if ref:
-            tree = subprocess.run(
-                ["git", "-C", str(repo), "archive", ref, "services/worker/engine"],
-                capture_output=True,
-                check=True,
-            ).stdout
-            subprocess.run(["tar", "-x", "-C", str(root)], input=tree, check=True)
-            # services/ is the omniflow_services package; shadow only the engine subpackage.
-            pkg = root / "omniflow_services"
-            (pkg / "worker").mkdir(parents=True)
-            (root / "services/worker/engine").rename(pkg / "worker/engine")
-            for init in (pkg / "__init__.py", pkg / "worker/__init__.py"):
-                init.write_text("")
-            env["PYTHONPATH"] = str(root)
-        job = {
-            "system": system,
-            "model": str(args.model),
-            "dtype": dtype,
-            "levels": list(prompts),
-            "prompts": {str(k): v for k, v in prompts.items()},
-            "output_len": args.output_len,
-            "prompt_len": args.prompt_len,
-            "repeat": args.repeat,
-            "budget": args.token_budget,
-            "threads": args.threads,
-            "cores": bound_cores(args.threads),
-            "root": str(pkg),
-        }
-        proc = subprocess.run(
-            [sys.executable, "-c", SYSTEM_SCRIPT, json.dumps(job)],
-            env=env,
+    env = dict(os.environ)
+    pkg = repo / "services"
+    if ref:
+        tree = subprocess.run(
+            ["git", "-C", str(repo), "archive", ref, "services/worker/engine"],
             capture_output=True,
-            text=True,
-            timeout=args.vllm_timeout,
-        )
-    return _result(proc, f"{system} {ref}".strip())
+            check=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(tmp)], input=tree, check=True)
+        # services/ is the omniflow_services package; shadow only the engine subpackage.
+        pkg = tmp / "omniflow_services"
+        (pkg / "worker").mkdir(parents=True)
+        (tmp / "services/worker/engine").rename(pkg / "worker/engine")
+        for init in (pkg / "__init__.py", pkg / "worker/__init__.py"):
+            init.write_text("")
+        env["PYTHONPATH"] = str(tmp)
+    job = {
+        "system": system,
+        "model": str(args.model),
+        "dtype": dtype,
+        "levels": list(prompts),
+        "prompts": {str(k): v for k, v in prompts.items()},
+        "output_len": args.output_len,
+        "prompt_len": args.prompt_len,
+        "budget": args.token_budget,
+        "threads": args.threads,
+        "cores": bound_cores(args.threads),
+        "root": str(pkg),
+    }
+    what = f"{system} {ref}".strip()
+    return Peer(what, [sys.executable, "-c", SYSTEM_SCRIPT, json.dumps(job)], env, args.timeout)
 
 
 def prompts_for(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -190,16 +233,13 @@ def prompts_for(n: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def run_vllm(
-    args: argparse.Namespace, dtype: str, prompts: dict[int, list[list[int]]]
-) -> dict[str, dict]:
+def start_vllm(args: argparse.Namespace, dtype: str, prompts: dict[int, list[list[int]]]) -> Peer:
     job = {
         "model": str(args.model),
         "dtype": dtype,
         "levels": list(prompts),
         "prompts": {str(k): v for k, v in prompts.items()},
         "output_len": args.output_len,
-        "repeat": args.repeat,
         "max_model_len": args.prompt_len + args.output_len + 16,
         "budget": args.token_budget,
     }
@@ -210,25 +250,8 @@ def run_vllm(
     bind = ",".join(map(str, cores)) if cores else "auto"
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    # A session of its own: on a timeout, vLLM's engine processes go with it (killing only
-    # the process we started would leave them running, orphaned).
-    proc = subprocess.Popen(
-        [str(args.vllm_python), "-c", VLLM_SCRIPT, json.dumps(job)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=args.vllm_timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise RuntimeError(
-            f"vLLM did not finish within --vllm-timeout {args.vllm_timeout} s"
-        ) from None
-    return _result(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "vLLM")
+    cmd = [str(args.vllm_python), "-c", VLLM_SCRIPT, json.dumps(job)]
+    return Peer("vLLM", cmd, env, args.timeout)
 
 
 def bound_cores(threads: int) -> list[int]:
@@ -254,9 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--token-budget", type=int, default=2048, help="tokens per step (both)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per level; the best is kept")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="runs of each level per system, interleaved"
+    )
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM)
-    ap.add_argument("--vllm-timeout", type=float, default=900.0)
+    ap.add_argument("--timeout", type=float, default=900.0, help="s for any one start or run")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--busy", type=int, default=0, help="processes spinning a core meanwhile")
@@ -328,31 +353,54 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def bench_dtype(args: argparse.Namespace, dtype: str, levels: list[int]) -> list[dict]:
+    """Every system of this dtype started once; then, level by level, ``--rounds`` rounds
+    in which each system runs the level once, in turn (the order reversed every other
+    round), the best run of each kept: a slow minute of a shared machine hits every
+    system alike instead of whichever ran then."""
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     prompts = {n: prompts_for(n, args.prompt_len, vocab) for n in levels}
-    vllm = {} if args.skip_vllm else run_vllm(args, dtype, prompts)
-    base = run_system(args, dtype, prompts, "engine", args.baseline) if args.baseline else {}
-    ours = run_system(args, dtype, prompts, "engine")
-    hf = {} if args.skip_hf else run_system(args, dtype, prompts, "hf")
+    peers: dict[str, Peer] = {}
+    with tempfile.TemporaryDirectory(prefix="omniflow-bench-") as tmp:
+        try:
+            if not args.skip_vllm:
+                peers["vllm"] = start_vllm(args, dtype, prompts)
+            if args.baseline:
+                peers["base"] = start_system(
+                    args, dtype, prompts, "engine", args.baseline, Path(tmp)
+                )
+            peers["ours"] = start_system(args, dtype, prompts, "engine", "", Path(tmp))
+            if not args.skip_hf:
+                peers["hf"] = start_system(args, dtype, prompts, "hf", "", Path(tmp))
+            best: dict[tuple[str, int], dict] = {}
+            for n in levels:
+                order = list(peers)
+                for r in range(args.rounds):
+                    for name in order if r % 2 == 0 else order[::-1]:
+                        got = peers[name].run(n)
+                        if got["tok_s"] > best.get((name, n), {"tok_s": -1.0})["tok_s"]:
+                            best[name, n] = got
+                print(
+                    f"{dtype} {n}: " + " ".join(f"{k} {best[k, n]['tok_s']:.1f}" for k in peers),
+                    flush=True,
+                )
+        finally:
+            for peer in peers.values():
+                peer.close()
     rows = []
     for n in levels:
-        k = str(n)
-        v = vllm.get(k)
+        v = best.get(("vllm", n))
+        ours = best["ours", n]
         rows.append(
             {
                 "dtype": dtype,
                 "n": n,
-                "ours": ours[k]["tok_s"],
-                "hf": hf[k]["tok_s"] if hf else 0.0,
+                "ours": ours["tok_s"],
+                "hf": best["hf", n]["tok_s"] if ("hf", n) in best else 0.0,
                 "vllm": v["tok_s"] if v else 0.0,
-                "same": common_prefix(v["first"], ours[k]["first"]) if v else None,
-                "out": len(ours[k]["first"]),
-                "base": base[k]["tok_s"] if base else 0.0,
+                "same": common_prefix(v["first"], ours["first"]) if v else None,
+                "out": len(ours["first"]),
+                "base": best["base", n]["tok_s"] if ("base", n) in best else 0.0,
             }
-        )
-        r = rows[-1]
-        print(
-            f"{dtype} {n}: ours {r['ours']:.1f} hf {r['hf']:.1f} vllm {r['vllm']:.1f}", flush=True
         )
     return rows
 
