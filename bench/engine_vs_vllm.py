@@ -86,7 +86,7 @@ if job["system"] == "engine":
     per_req = -(-(job["prompt_len"] + n_out) // 16)
     cfg = EngineConfig(dtype=job["dtype"], num_pages=per_req * max(lv) + 8,
                        max_num_batched_tokens=job["budget"], max_num_seqs=max(64, max(lv)),
-                       enable_prefix_cache=False)
+                       enable_prefix_cache=False, device=job["device"])
     e = Engine(job["model"], cfg)
     def go(ps, n):
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -105,10 +105,10 @@ if job["system"] == "engine":
 else:
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        job["model"], dtype=getattr(torch, job["dtype"])).eval()
+        job["model"], dtype=getattr(torch, job["dtype"])).eval().to(job["device"])
     hf.generation_config.eos_token_id = None
     def go(ps, n):
-        ids = torch.tensor(ps)
+        ids = torch.tensor(ps, device=job["device"])
         with torch.inference_mode():
             t = time.perf_counter()
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
@@ -221,6 +221,7 @@ def start_system(
         "prompt_len": args.prompt_len,
         "budget": args.token_budget,
         "threads": args.threads,
+        "device": args.device,
         "cores": bound_cores(args.threads),
         "root": str(pkg),
     }
@@ -277,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--token-budget", type=int, default=2048, help="tokens per step (both)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    ap.add_argument(
+        "--device", default="cpu", help="the engine's and transformers' device (vLLM: its build's)"
+    )
     ap.add_argument(
         "--rounds", type=int, default=2, help="runs of each level per system, interleaved"
     )
