@@ -11,9 +11,12 @@ driving ``LLM.generate`` with the same token ids; the engine and transformers ru
     python bench/engine_vs_vllm.py --busy 1                    # a second process spins a core
     python bench/engine_vs_vllm.py --baseline cdd3cb8          # also the engine as of a commit
 
-With fewer ``--threads`` than cores, every system is bound to the same first cores (vLLM
-through ``VLLM_CPU_OMP_THREADS_BIND``, the others by CPU affinity), and ``--busy N`` spins N
-processes on those same cores, one each: every system shares its cores with them alike.
+With fewer ``--threads`` than cores, every system is bound to the same first cores: our engine
+and transformers by their process's CPU affinity, vLLM's OpenMP threads through
+``VLLM_CPU_OMP_THREADS_BIND`` and, with ``--pin all`` (the default), all of vLLM's processes
+by ``taskset`` (its API process and engine core would otherwise run on the other cores, which
+our engine's single process cannot); ``--busy N`` spins N processes on those same cores, one
+each: every system shares its cores with them alike.
 Every system runs in a process of its own on the same prompts, started once per dtype; then
 each level runs ``--rounds`` times per system, the systems taking turns (a slow minute of a
 shared machine hits them alike), and each system's best run is kept. ``--baseline REF``
@@ -252,6 +255,10 @@ def start_vllm(args: argparse.Namespace, dtype: str, prompts: dict[int, list[lis
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     cmd = [str(args.vllm_python), "-c", VLLM_SCRIPT, json.dumps(job)]
+    if cores and args.pin == "all":
+        # every vLLM process (its API side and its engine core) on the measured cores, as
+        # our engine's whole process is; "threads" binds only its OpenMP threads there.
+        cmd = ["taskset", "-c", bind, *cmd]
     return Peer("vLLM", cmd, env, args.timeout)
 
 
@@ -278,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--token-budget", type=int, default=2048, help="tokens per step (both)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    ap.add_argument(
+        "--pin",
+        choices=("threads", "all"),
+        default="all",
+        help="with fewer --threads than cores: vLLM's OpenMP threads only, or all its processes",
+    )
     ap.add_argument(
         "--device", default="cpu", help="the engine's and transformers' device (vLLM: its build's)"
     )
