@@ -277,6 +277,8 @@ def _spin(core: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM unwinds like Ctrl-C: every system's process and the spinners are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="an HF folder")
     ap.add_argument("--concurrency", default="1,8,32")
