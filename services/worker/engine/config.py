@@ -112,7 +112,9 @@ class EngineConfig:
     copy kept across steps (``decode_kv``; the torch path only); 0 gathers the pages at
     every step instead. ``kernels`` picks the elementwise and decode-attention kernels:
     "native" (the fused CPU kernels of ``kernels.cpp``, built on first use), "torch" (torch
-    ops) or "auto" (native where they apply and build).
+    ops) or "auto" (native where they apply and build). ``adapt_threads`` lets a CPU engine
+    with several intra-op threads drop to one while its cores are shared with another busy
+    process, and come back after (``threads.ThreadTuner``).
     """
 
     dtype: str = "float32"
@@ -128,6 +130,7 @@ class EngineConfig:
     matmul: str = "auto"
     decode_kv_bytes: int = 1 << 30
     kernels: str = "auto"
+    adapt_threads: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -31,6 +32,7 @@ from omniflow_services.worker.engine.model import SeqInput, build_batch
 from omniflow_services.worker.engine.prefix_cache import PrefixCache
 from omniflow_services.worker.engine.sampling import PenaltyState, sample
 from omniflow_services.worker.engine.scheduler import ScheduledSeq, Scheduler, SeqState
+from omniflow_services.worker.engine.threads import ThreadTuner
 from omniflow_services.worker.engine.types import (
     EmbedSpan,
     EngineLoad,
@@ -109,6 +111,9 @@ class Engine:
                 self._device,
                 cfg.decode_kv_bytes,
             )
+        # CPU: fewer intra-op threads while another process shares the cores (threads.py).
+        adapt = cfg.adapt_threads and self._device.type == "cpu"
+        self.threads = ThreadTuner(torch.get_num_threads() if adapt else 1)
         self._loop_task: asyncio.Task[None] | None = None
         log.info(
             "engine ready: %s, %d KV pages of %d tokens",
@@ -421,7 +426,14 @@ class Engine:
             self._loads.collect(self._deliver)
             scheduled = self.scheduler.schedule()
         if scheduled:
+            tokens, started = self.stats.batched_tokens, time.perf_counter()
             self._run(scheduled, outputs)
+            if self.threads.active:
+                n = self.threads.record(
+                    time.perf_counter() - started, self.stats.batched_tokens - tokens
+                )
+                if n != torch.get_num_threads():
+                    torch.set_num_threads(n)
         self._publish_events()
         self.stats.preemptions = self.scheduler.num_preemptions
         return outputs

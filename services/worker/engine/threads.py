@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -64,3 +66,81 @@ def apply_thread_budget(threads: int) -> int:
     _applied = threads
     log.info("torch threads: %d", threads)
     return threads
+
+
+class ThreadTuner:
+    """Drops to one intra-op thread while the cores are shared, and comes back after.
+
+    With N > 1 torch threads every op is a fork-join over N cores. When another process
+    keeps one of those cores busy, each join waits for that core's next time slice: on this
+    project's 2-core machine a two-thread decode step ran 10-30x slower than a one-thread
+    step beside a spinning process. The tuner times the engine's steps (seconds per
+    computed token) and, after ``every`` steps under the full budget, runs ``probe`` steps
+    on one thread, compared with the ``probe`` steps just before them (neighbouring steps
+    carry similar batches): when one thread is at least ``margin`` times faster the engine
+    stays there, and probes the full budget again later, after twice as long each time the
+    full budget loses (up to ``max_hold`` steps). A budget of one thread is never tuned.
+    """
+
+    def __init__(
+        self,
+        threads: int,
+        every: int = 128,
+        probe: int = 3,
+        margin: float = 1.3,
+        max_hold: int = 4096,
+    ) -> None:
+        self.full = threads
+        self.every, self.probe, self.margin, self.max_hold = every, probe, margin, max_hold
+        self.current = threads
+        self.switches = 0
+        self._base = threads
+        self._hold = every
+        self._steps = 0
+        self._recent: deque[tuple[float, int]] = deque(maxlen=probe)
+        self._trial: list[tuple[float, int]] = []
+
+    @property
+    def active(self) -> bool:
+        return self.full > 1
+
+    def record(self, seconds: float, tokens: int) -> int:
+        """Account one step; return the thread count the next step should run with."""
+        if not self.active or tokens <= 0:
+            return self.current
+        if self.current != self._base:  # a probe step
+            self._trial.append((seconds, tokens))
+            if len(self._trial) >= self.probe:
+                self._decide()
+            return self.current
+        self._recent.append((seconds, tokens))
+        self._steps += 1
+        if self._steps >= self._hold and len(self._recent) == self.probe:
+            self.current = 1 if self._base == self.full else self.full
+            self._trial = []
+        return self.current
+
+    def _decide(self) -> None:
+        def per_token(steps: Iterable[tuple[float, int]]) -> float:
+            steps = list(steps)
+            return sum(t for t, _ in steps) / max(1, sum(n for _, n in steps))
+
+        base, trial = per_token(self._recent), per_token(self._trial)
+        one, full = (trial, base) if self.current == 1 else (base, trial)
+        choose = 1 if one * self.margin < full else self.full
+        if choose != self._base:
+            self.switches += 1
+            log.warning(
+                "torch threads %d -> %d: %.3f ms a token on one thread, %.3f on %d%s",
+                self._base,
+                choose,
+                1e3 * one,
+                1e3 * full,
+                self.full,
+                " (the cores look shared with another process)" if choose == 1 else "",
+            )
+        self._hold = min(self._hold * 2, self.max_hold) if choose == 1 else self.every
+        self._base = self.current = choose
+        self._steps = 0
+        self._recent.clear()
+        self._trial = []
