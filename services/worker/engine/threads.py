@@ -75,7 +75,8 @@ class ThreadTuner:
     keeps one of those cores busy, each join waits for that core's next time slice: on this
     project's 2-core machine a two-thread decode step ran 10-30x slower than a one-thread
     step beside a spinning process. The tuner times the engine's steps (seconds per
-    computed token) and, after ``every`` steps under the full budget, runs ``probe`` steps
+    computed token) and, after ``every`` steps under the full budget (``first`` the first
+    time), runs ``probe`` steps
     on one thread, compared with the ``probe`` steps just before them (neighbouring steps
     carry similar batches): when one thread is at least ``margin`` times faster the engine
     stays there, and probes the full budget again later, after twice as long each time the
@@ -89,13 +90,14 @@ class ThreadTuner:
         probe: int = 3,
         margin: float = 1.3,
         max_hold: int = 4096,
+        first: int = 8,
     ) -> None:
         self.full = threads
         self.every, self.probe, self.margin, self.max_hold = every, probe, margin, max_hold
         self.current = threads
         self.switches = 0
         self._base = threads
-        self._hold = every
+        self._hold = min(first, every)  # the first probe comes early
         self._steps = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=probe)
         self._trial: list[tuple[float, int]] = []
