@@ -145,7 +145,11 @@ class Peer:
             text=True,
             start_new_session=True,
         )
-        self._read("READY")
+        try:
+            self._read("READY")
+        except BaseException:  # a failed start or SIGTERM while starting: no process left
+            self.close()
+            raise
 
     def _read(self, want: str) -> str:
         assert self.proc.stdout is not None
