@@ -40,3 +40,17 @@ def test_one_thread_budget_is_never_tuned() -> None:
     tuner = ThreadTuner(1)
     assert not tuner.active
     assert set(drive(tuner, 50, {1: 1.0})) == {1} and tuner.switches == 0
+
+
+def test_probes_compare_only_steps_of_the_same_size() -> None:
+    """A cheap-per-token prefill step during a probe must not pass for a faster count."""
+    tuner = ThreadTuner(2, every=4, probe=2, first=4)
+    decode = {2: 20.0, 1: 1.8}  # two threads collapsed beside a busy core
+    for _ in range(4):
+        tuner.record(decode[tuner.current] * 8 / 1e3, 8)
+    assert tuner.current == 1  # probing one thread
+    tuner.record(0.05, 2048)  # a prefill arrives: the probe is dropped
+    assert tuner.current == 2 and tuner.switches == 0
+    for _ in range(4):  # two baseline steps of 8 tokens again, then a whole probe
+        tuner.record(decode[tuner.current] * 8 / 1e3, 8)
+    assert tuner.current == 1 and tuner.switches == 1

@@ -77,8 +77,9 @@ class ThreadTuner:
     step beside a spinning process. The tuner times the engine's steps (seconds per
     computed token) and, after ``every`` steps under the full budget (``first`` the first
     time), runs ``probe`` steps
-    on one thread, compared with the ``probe`` steps just before them (neighbouring steps
-    carry similar batches): when one thread is at least ``margin`` times faster the engine
+    on one thread, compared with the ``probe`` steps just before them, all of them steps of
+    the same number of tokens (a decode batch of one size; a probe that meets another kind
+    of step is dropped and retried): when one thread is at least ``margin`` times faster the engine
     stays there, and probes the full budget again later, after twice as long each time the
     full budget loses (up to ``max_hold`` steps). A budget of one thread is never tuned.
     """
@@ -111,13 +112,20 @@ class ThreadTuner:
         if not self.active or tokens <= 0:
             return self.current
         if self.current != self._base:  # a probe step
+            if tokens != self._recent[-1][1]:
+                # another kind of step (a prefill among decodes, the batch changed): not
+                # comparable; back to the baseline, and probe again at the next chance
+                self.current = self._base
+                self._recent.clear()
+                return self.current
             self._trial.append((seconds, tokens))
             if len(self._trial) >= self.probe:
                 self._decide()
             return self.current
         self._recent.append((seconds, tokens))
         self._steps += 1
-        if self._steps >= self._hold and len(self._recent) == self.probe:
+        same = len({n for _, n in self._recent}) == 1
+        if self._steps >= self._hold and len(self._recent) == self.probe and same:
             self.current = 1 if self._base == self.full else self.full
             self._trial = []
         return self.current
