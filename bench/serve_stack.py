@@ -192,7 +192,9 @@ def start_omniflow(
             )
         )
     # The echo worker's model ("echo") resolves to SmolLM2's folder in the gateway.
-    (models_dir / "echo").symlink_to(folder)
+    echo = models_dir / "echo"
+    if not echo.is_symlink():  # a second topology of the same run reuses it
+        echo.symlink_to(folder)
     gw = procs.service(
         "omniflow_services.gateway",
         "gateway",
