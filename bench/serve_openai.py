@@ -466,7 +466,7 @@ def main() -> int:
 
     def stop() -> None:
         nonlocal redis
-        procs.stop()
+        procs.stop()  # the topology running now (the cross part starts its own)
         if redis is not None:
             redis.stop()  # type: ignore[attr-defined]
             redis = None
@@ -486,6 +486,8 @@ def main() -> int:
             stop()
         if not args.skip_omniflow and "cross" in args.parts:
             print(f"Omni-Flow, two nodes (engine {args.engine}, {args.cross_threads} threads each)")
+            (tmp / "cross").mkdir()
+            procs = Procs(tmp / "cross")  # a run folder of its own: no state of the first
             nodes = ("node-a", "node-b")
             of, redis = start_omniflow(
                 procs, folder, args.cross_threads, args.engine, args.vllm_python, nodes
