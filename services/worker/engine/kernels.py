@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
+from omniflow_services.worker.engine.config import KERNELS as CHOICES
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
-CHOICES = ("auto", "native", "torch")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
