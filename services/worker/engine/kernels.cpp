@@ -376,6 +376,31 @@ inline v16 sum16(v16* a) {
   return __builtin_shuffle(d[0], d[1], l4a) + __builtin_shuffle(d[0], d[1], l4b);
 }
 
+// exp(s - max(s)) in place over one row of scores (padded to 16; lanes past the row's
+// length hold -inf, whose exp is 0); returns their sum.
+inline float softmax_row(float* s, int64_t padded) {
+  v16 mv = v16{} - INFINITY;
+  for (int64_t t = 0; t < padded; t += 16) {
+    const v16 x = load16(s + t);
+    mv = x > mv ? x : mv;
+  }
+  float m = -INFINITY;
+  for (int i = 0; i < 16; ++i) m = mv[i] > m ? mv[i] : m;
+  v16 sum = v16{};
+  for (int64_t t = 0; t < padded; t += 16) {
+    const v16 e = vexp(load16(s + t) - m);
+    store16(s + t, e);
+    sum += e;
+  }
+  return hsum(sum);
+}
+
+// Ask for ``bytes`` at ``p`` (a page about to be read) a cache line at a time.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
+}
+
 // Decode attention of one request and one KV head: its G query heads q [G, D] against the
 // first len keys of its pages (table), scores and softmax in float32; out [G, D].
 template <typename T>
@@ -409,8 +434,7 @@ void decode_head(const T* q, int64_t G, int64_t D, const T* kc, const T* vc,
     const T* kp = kc + table[pi] * P * D;
     const int64_t n = std::min(P, len - pi * P);
     if (pi + 1 < pages) {  // the next page's keys while this one is computed
-      const char* next = reinterpret_cast<const char*>(kc + table[pi + 1] * P * D);
-      for (int64_t b = 0; b < P * D * int64_t(sizeof(T)); b += 64) __builtin_prefetch(next + b);
+      prefetch(kc + table[pi + 1] * P * D, P * D * int64_t(sizeof(T)));
     }
     int64_t j = 0;
     for (; j + 16 <= n && (pi * P + j) % 16 == 0; j += 16) {
@@ -452,23 +476,7 @@ void decode_head(const T* q, int64_t G, int64_t D, const T* kc, const T* vc,
     }
   }
   std::vector<float> total(G);
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s.data() + g * padded;
-    v16 mv = v16{} - INFINITY;
-    for (int64_t t = 0; t < padded; t += 16) {
-      const v16 x = load16(sg + t);
-      mv = x > mv ? x : mv;
-    }
-    float m = -INFINITY;
-    for (int i = 0; i < 16; ++i) m = mv[i] > m ? mv[i] : m;
-    v16 sum = v16{};
-    for (int64_t t = 0; t < padded; t += 16) {
-      const v16 e = vexp(load16(sg + t) - m);  // lanes past len: exp(-inf) = 0
-      store16(sg + t, e);
-      sum += e;
-    }
-    total[g] = hsum(sum);
-  }
+  for (int64_t g = 0; g < G; ++g) total[g] = softmax_row(s.data() + g * padded, padded);
   for (int64_t pi = 0; pi < pages; ++pi) {
     const T* vp = vc + table[pi] * P * D;
     const int64_t n = std::min(P, len - pi * P);
@@ -515,8 +523,7 @@ void decode_head_fixed(const T* q, const T* kc, const T* vc, const int64_t* tabl
     const T* kp = kc + table[pi] * P * D;
     const int64_t n = std::min(P, len - pi * P);
     if (pi + 1 < pages) {  // the next page's keys while this one is computed
-      const char* next = reinterpret_cast<const char*>(kc + table[pi + 1] * P * D);
-      for (int64_t b = 0; b < P * D * int64_t(sizeof(T)); b += 64) __builtin_prefetch(next + b);
+      prefetch(kc + table[pi + 1] * P * D, P * D * int64_t(sizeof(T)));
     }
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
@@ -556,23 +563,7 @@ void decode_head_fixed(const T* q, const T* kc, const T* vc, const int64_t* tabl
     }
   }
   float total[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = s.data() + g * padded;
-    v16 mv = v16{} - INFINITY;
-    for (int64_t t = 0; t < padded; t += 16) {
-      const v16 x = load16(sg + t);
-      mv = x > mv ? x : mv;
-    }
-    float m = -INFINITY;
-    for (int i = 0; i < 16; ++i) m = mv[i] > m ? mv[i] : m;
-    v16 sum = v16{};
-    for (int64_t t = 0; t < padded; t += 16) {
-      const v16 e = vexp(load16(sg + t) - m);  // lanes past len: exp(-inf) = 0
-      store16(sg + t, e);
-      sum += e;
-    }
-    total[g] = hsum(sum);
-  }
+  for (int g = 0; g < G; ++g) total[g] = softmax_row(s.data() + g * padded, padded);
   v16 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = v16{};
@@ -580,8 +571,7 @@ void decode_head_fixed(const T* q, const T* kc, const T* vc, const int64_t* tabl
     const T* vp = vc + table[pi] * P * D;
     const int64_t n = std::min(P, len - pi * P);
     if (pi + 1 < pages) {
-      const char* next = reinterpret_cast<const char*>(vc + table[pi + 1] * P * D);
-      for (int64_t b = 0; b < P * D * int64_t(sizeof(T)); b += 64) __builtin_prefetch(next + b);
+      prefetch(vc + table[pi + 1] * P * D, P * D * int64_t(sizeof(T)));
     }
     for (int64_t j = 0; j < n; ++j) {
       const T* vr = vp + j * D;
