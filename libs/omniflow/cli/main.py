@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from omniflow.cli import certs as certs_cli
+from omniflow.cli import deploy as deploy_cli
 from omniflow.cli import workflow as workflow_cli
 from omniflow.config import CommonSettings, SecuritySettings, settings_table
 from omniflow.errors import OmniflowError
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     workflow_cli.add_subcommands(sub)
     certs_cli.add_subcommand(sub)
+    deploy_cli.add_subcommand(sub)
     p_models = sub.add_parser(
         "models", help="model tools: pull NAME, list, convert-gguf FILE OUT, make-tiny"
     )
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "certs":
             return certs_cli.run(args)
+        if args.command == "deploy":
+            return deploy_cli.run(args)
         if args.command == "models":
             from omniflow.models.cli import main as models_main
 
