@@ -15,7 +15,7 @@ from omniflow.discovery import ServiceInstance
 WORKER_SERVICE = "worker"
 
 #: The roles a worker can serve (``OMNIFLOW_WORKER_ROLE``, a topology's ``role:``).
-ROLES = ("llm", "encoder", "diffusion", "talker")
+ROLES = ("llm", "encoder", "diffusion", "talker", "embed")
 
 #: Operations each role serves once its model is loaded (advertised in discovery).
 ROLE_OPERATIONS: dict[str, tuple[str, ...]] = {
@@ -23,6 +23,7 @@ ROLE_OPERATIONS: dict[str, tuple[str, ...]] = {
     "encoder": ("encode",),
     "diffusion": ("generate_image", "generate"),  # its backbone serves Generate too
     "talker": ("synthesize",),
+    "embed": ("embed",),  # through Invoke: token ids in, one pooled vector per input out
 }
 
 #: Operations a role adds through ``Invoke`` when its model can (an encoder with Whisper).

@@ -9,6 +9,7 @@ from omniflow.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from omniflow.models.resolve import resolve_model
 from omniflow.workers import ROLE_OPERATIONS
 from omniflow_services.worker.config import WorkerSettings
+from omniflow_services.worker.embed.role import EmbedRole
 from omniflow_services.worker.engine import Engine, EngineConfig, EngineLoad
 from omniflow_services.worker.engine.threads import apply_thread_budget, thread_budget
 from omniflow_services.worker.llm import LLMRole
@@ -32,6 +33,7 @@ class WorkerCore:
         self.model = ""
         self.llm: LLMRole | None = None
         self.mm: LoadedRoles | None = None  # encoder, diffusion or talker models
+        self.embed: EmbedRole | None = None  # the embed role's sentence-embedding model
 
     @property
     def kv_namespace(self) -> str:
@@ -60,6 +62,16 @@ class WorkerCore:
             max_num_seqs=s.max_seqs,
             kernels=s.kernels,
         )
+        if self.role == "embed":
+            if s.engine != "torch":
+                raise Unimplemented("role 'embed' runs on the built-in torch engine only")
+            folder = resolve_model(spec, Path(s.models_dir))
+            if self.embed is not None:  # a reload: the old batcher thread ends
+                self.embed.close()
+            self.embed = await EmbedRole.load(folder, s.device, s.max_seqs)
+            self.model = str(folder)
+            log.info("loaded embed model %s (%d dimensions)", folder, self.embed.dim)
+            return
         if self.role in ("encoder", "diffusion", "talker"):
             if s.engine != "torch":
                 raise Unimplemented(f"role {self.role!r} runs on the built-in torch engine only")
@@ -103,6 +115,16 @@ class WorkerCore:
                 "no model is loaded on this worker: set OMNIFLOW_WORKER_MODEL or call LoadModel"
             )
         return self.mm
+
+    def require_embed(self) -> EmbedRole:
+        """The embed role's model (FailedPrecondition when not this role or not loaded)."""
+        if self.role != "embed":
+            raise FailedPrecondition(f"this worker's role is {self.role!r}, not 'embed'")
+        if self.embed is None:
+            raise FailedPrecondition(
+                "no model is loaded on this worker: set OMNIFLOW_WORKER_MODEL or call LoadModel"
+            )
+        return self.embed
 
     def load_now(self) -> EngineLoad:
         return self.llm.engine.load() if self.llm is not None else EngineLoad()

@@ -20,6 +20,7 @@ from omniflow.workers import WORKER_SERVICE, worker_metadata
 from omniflow_services.worker import metrics
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
+from omniflow_services.worker.embed.edge import EMBED_OPERATIONS, invoke_embed
 from omniflow_services.worker.engine import Engine, SamplingParams
 from omniflow_services.worker.kv import WorkerKV
 from omniflow_services.worker.llm import LLMRole
@@ -210,6 +211,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> worker_pb2.InvokeResponse:
         if request.operation in AUDIO_OPERATIONS:
             return await invoke_audio(self.app.core, request, self.app.mm.tensors)
+        if request.operation in EMBED_OPERATIONS:
+            return await invoke_embed(self.app.core.require_embed(), request)
         raise unimplemented("user-registered operations (Control Flow)")
 
     async def GetLoad(
@@ -292,6 +295,8 @@ class WorkerApp(ServiceApp):
         if self.kv is not None:
             await self.kv.stop()
         await self.mm.close()
+        if self.core.embed is not None:
+            self.core.embed.close()
 
     def metadata(self) -> dict[str, str]:
         node = self.runtime.node if self.runtime else ""
@@ -302,4 +307,9 @@ class WorkerApp(ServiceApp):
         layout = getattr(getattr(c.llm, "engine", None), "layout", None)
         if layout is not None:
             meta["page_size"] = str(layout.page_size)
+        # Which of an encoder's models transcribes: the gateway serves it by that name.
+        if c.mm is not None and c.mm.encoder is not None and c.mm.encoder.transcribe_model:
+            meta["transcribe_model"] = c.mm.encoder.transcribe_model
+        if c.embed is not None:
+            meta["embedding_dim"] = str(c.embed.dim)
         return meta

@@ -19,6 +19,9 @@ class OpSignature:
 
     ``streams`` names the output whose partial values a Call streams (``text`` deltas of
     ``llm.generate``, ``pcm`` chunks of ``talker.synthesize``); empty when unary.
+    ``phrased``: inputs that a streaming edge feeds whole phrases (sentences, at most
+    ``PHRASE_INPUT_CHARS``) even when it asks for no phrase length: a prompt cut at every
+    token would be one call per token, each on a word or two (``Ref.stream``).
     """
 
     role: str
@@ -27,7 +30,11 @@ class OpSignature:
     outputs: dict[str, VType]
     optional: frozenset[str] = field(default_factory=frozenset)
     streams: str = ""
+    phrased: frozenset[str] = field(default_factory=frozenset)
 
+
+#: The longest phrase a ``phrased`` input gets from a ``.stream()`` edge with no length.
+PHRASE_INPUT_CHARS = 400
 
 BUILTIN: dict[tuple[str, str], OpSignature] = {
     ("llm", "generate"): OpSignature(
@@ -47,6 +54,7 @@ BUILTIN: dict[tuple[str, str], OpSignature] = {
         },
         optional=frozenset({"session", "messages", "media"}),
         streams="text",
+        phrased=frozenset({"prompt"}),
     ),
     # media: media items; image, audio: a file's bytes (at least one of the three)
     ("encoder", "encode"): OpSignature(
@@ -57,8 +65,40 @@ BUILTIN: dict[tuple[str, str], OpSignature] = {
         optional=frozenset({"media", "image", "audio"}),
     ),
     # Served through Invoke by an encoder worker with a Whisper model: audio file bytes in.
+    # Optional: OpenAI's transcription fields; segments with timestamps: true.
     ("encoder", "transcribe"): OpSignature(
-        "encoder", "transcribe", {"audio": VType.ANY}, {"text": VType.TEXT}
+        "encoder",
+        "transcribe",
+        {
+            "audio": VType.ANY,
+            "prompt": VType.TEXT,
+            "temperature": VType.FLOAT,
+            "language": VType.TEXT,
+            "task": VType.TEXT,
+            "timestamps": VType.BOOL,
+            "seed": VType.INT,
+        },
+        {
+            "text": VType.TEXT,
+            "duration": VType.FLOAT,
+            "language": VType.TEXT,
+            "segments": VType.LIST,
+        },
+        optional=frozenset({"prompt", "temperature", "language", "task", "timestamps", "seed"}),
+    ),
+    # Served through Invoke by an embed worker: texts or token id lists in, vectors out
+    # (float32 little-endian bytes, count x dim).
+    ("embed", "embed"): OpSignature(
+        "embed",
+        "embed",
+        {"texts": VType.LIST, "token_ids": VType.LIST, "dimensions": VType.INT},
+        {
+            "embeddings": VType.BYTES,
+            "dim": VType.INT,
+            "count": VType.INT,
+            "prompt_tokens": VType.INT,
+        },
+        optional=frozenset({"texts", "token_ids", "dimensions"}),
     ),
     ("diffusion", "generate_image"): OpSignature(
         "diffusion",

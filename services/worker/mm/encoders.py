@@ -34,6 +34,7 @@ from omniflow_services.worker.mm.media import (
 )
 from omniflow_services.worker.mm.nn import EncoderStack, Weights, read_config, sinusoid
 from omniflow_services.worker.mm.whisper import WHISPER_MODEL_TYPE, Transcript, WhisperEncoder
+from omniflow_services.worker.mm.whisper_decode import TranscribeOptions
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,15 @@ class EncoderRole:
         """Operations beyond ``encode`` that the loaded encoders serve."""
         return ("transcribe",) if isinstance(self.encoders.get(AUDIO), WhisperEncoder) else ()
 
-    async def transcribe(self, item: MediaInput) -> Transcript:
+    @property
+    def transcribe_model(self) -> str:
+        """The folder of the Whisper model that transcribes ("" without one)."""
+        enc = self.encoders.get(AUDIO)
+        return str(enc.folder) if isinstance(enc, WhisperEncoder) else ""
+
+    async def transcribe(
+        self, item: MediaInput, opts: TranscribeOptions | None = None
+    ) -> Transcript:
         """Speech → text with the worker's Whisper model (FailedPrecondition without one)."""
         enc = self.encoders.get(AUDIO)
         if not isinstance(enc, WhisperEncoder):
@@ -245,4 +254,4 @@ class EncoderRole:
                 "e.g. omniflow models pull whisper-tiny.en); this one has "
                 f"{type(enc).__name__ if enc else 'no audio encoder'}"
             )
-        return await asyncio.to_thread(enc.transcript, item)
+        return await asyncio.to_thread(enc.transcript, item, opts)

@@ -31,6 +31,15 @@ from omniflow.errors import FailedPrecondition, InvalidArgument
 from omniflow_services.worker.mm.audio_io import decode_audio
 from omniflow_services.worker.mm.media import AUDIO, MediaInput
 from omniflow_services.worker.mm.nn import Weights, read_config
+from omniflow_services.worker.mm.whisper_decode import (
+    Rules,
+    Segment,
+    TranscribeOptions,
+    check_options,
+    segments_of,
+    special_id,
+    timestamp_rules,
+)
 from omniflow_services.worker.mm.whisper_features import (
     SAMPLE_RATE,
     log_mel,
@@ -51,10 +60,21 @@ Linear = tuple[torch.Tensor, torch.Tensor | None]
 
 @dataclass(frozen=True, slots=True)
 class Transcript:
-    """What was said, and how long the audio lasted."""
+    """What was said, how long the audio lasted, and (asked for) its timed segments."""
 
     text: str
     audio_seconds: float
+    segments: tuple[Segment, ...] = ()
+    language: str = "en"
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """One window's new ids (without eos), their log-probabilities, P(no speech)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    no_speech_prob: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +178,6 @@ class WhisperModel:
             h = h + self._mlp(h, ly, "ln2")
         return self._ln(h, self.enc_ln)
 
-    @torch.inference_mode()
     def greedy(
         self,
         states: torch.Tensor,
@@ -169,6 +188,27 @@ class WhisperModel:
         max_new: int,
     ) -> list[int]:
         """Greedy decoding of one window's ``states`` [1, 1500, d]; new ids, without eos."""
+        return self.decode(states, prompt, eos, suppress, begin_suppress, max_new).ids
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        states: torch.Tensor,
+        prompt: list[int],
+        eos: int,
+        suppress: list[int],
+        begin_suppress: list[int],
+        max_new: int,
+        *,
+        temperature: float = 0.0,
+        rules: Rules | None = None,
+        generator: torch.Generator | None = None,
+        no_speech: tuple[int, int] | None = None,
+    ) -> Decoded:
+        """Decoding of one window's ``states`` [1, 1500, d] from ``prompt``: greedy at
+        temperature 0, else sampled; ``rules`` shape each step's logits (timestamps).
+        ``no_speech`` = (prompt position, token id): the probability of "no speech" read
+        at that position (the start-of-transcript token's, as Whisper reads it)."""
         h_n = self.dec_heads
         cross = [
             (
@@ -183,7 +223,7 @@ class WhisperModel:
         begin[[i for i in begin_suppress if i < begin.numel()]] = float("-inf")
         cache: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.dec_layers)
         ids = torch.tensor([prompt], device=self.device)
-        pos, out = 0, []
+        pos, out, lps, no_speech_prob = 0, [], [], 0.0
         for step in range(max_new):
             t = ids.shape[1]
             h = F.embedding(ids, self.embed) + self.dec_pos[pos : pos + t]
@@ -206,15 +246,25 @@ class WhisperModel:
                 att = F.scaled_dot_product_attention(q, *cross[li])
                 h = h + F.linear(_merge(att), *c["out"])
                 h = h + self._mlp(h, ly, "ln3")
+            if step == 0 and no_speech is not None:
+                at = F.linear(self._ln(h[:, no_speech[0]], self.dec_ln), self.head)[0]
+                no_speech_prob = float(torch.softmax(at.float(), -1)[no_speech[1]])
             logits = F.linear(self._ln(h[:, -1], self.dec_ln), self.head)[0]
             logits = logits + (begin if step == 0 else mask)
-            pick = int(logits.argmax())
+            if rules is not None:
+                logits = rules(out, logits)
+            if temperature > 0:
+                probs = torch.softmax(logits.float() / temperature, -1)
+                pick = int(torch.multinomial(probs, 1, generator=generator))
+            else:
+                pick = int(logits.argmax())
             if pick == eos:
                 break
             out.append(pick)
+            lps.append(float(torch.log_softmax(logits.float(), -1)[pick]))
             pos += t
             ids = torch.tensor([[pick]], device=self.device)
-        return out
+        return Decoded(out, lps, no_speech_prob)
 
 
 class WhisperEncoder:
@@ -249,6 +299,13 @@ class WhisperEncoder:
         if not tok_path.is_file():
             raise InvalidArgument(f"no tokenizer.json in {folder}: Whisper cannot write text")
         self.tokenizer = Tokenizer.from_file(str(tok_path))
+        tid = self.tokenizer.token_to_id
+        self.no_timestamps = special_id(tid, "<|notimestamps|>")
+        self.timestamp_begin = tid("<|0.00|>") or self.no_timestamps + 1
+        self.start_of_prev = tid("<|startofprev|>")
+        self.no_speech_id = tid("<|nospeech|>") or tid("<|nocaptions|>")
+        # An English-only checkpoint (tiny.en) has 51,864 ids; multilingual ones 51,865+.
+        self.multilingual = int(c.get("vocab_size", 0)) >= 51865
         self.proj: tuple[Linear, Linear] | None = None
         self.pool = 2
         self.out_hidden: int | None = None  # without projector/: transcribe only
@@ -311,14 +368,94 @@ class WhisperEncoder:
                 for states, _ in self._windows(inp)
             ]
 
-    def transcript(self, item: MediaInput) -> Transcript:
-        """The words spoken in ``item`` (any common audio file) and its length."""
+    def decoder_prompt(self, opts: TranscribeOptions) -> list[int]:
+        """The decoder's prompt for ``opts``: previous text (``<|startofprev|>`` and the
+        prompt's last ids, at most half the context), the start token, language and task
+        (a multilingual model), and ``<|notimestamps|>`` unless timestamps are asked."""
+        check_options(opts)
+        tid = self.tokenizer.token_to_id
+        head = [t for t in self.prompt if t != self.no_timestamps]
+        if self.multilingual:
+            lang, task = tid(f"<|{opts.language or 'en'}|>"), tid(f"<|{opts.task}|>")
+            if lang is None:
+                raise InvalidArgument(f"language {opts.language!r} is not one of the model's")
+            specials = {tid("<|transcribe|>"), tid("<|translate|>")}
+            head = [head[0], lang, task] + [
+                t for t in head[1:] if t not in specials and not self._is_language(t)
+            ]
+        elif opts.language not in ("", "en"):
+            raise InvalidArgument(
+                f"language {opts.language!r}: {self.folder.name} is an English-only Whisper "
+                "model; accepted: en"
+            )
+        if not opts.timestamps:
+            head.append(self.no_timestamps)
+        prev: list[int] = []
+        if opts.prompt.strip() and self.start_of_prev is not None:
+            room = self.model.max_target // 2 - 1
+            ids = self.tokenizer.encode(" " + opts.prompt.strip(), add_special_tokens=False).ids
+            prev = [self.start_of_prev, *ids[-room:]]
+        return prev + head
+
+    def _is_language(self, token: int) -> bool:
+        name = self.tokenizer.id_to_token(token) or ""
+        return name.startswith("<|") and name.endswith("|>") and 2 <= len(name) - 4 <= 3
+
+    def transcript(self, item: MediaInput, opts: TranscribeOptions | None = None) -> Transcript:
+        """The words spoken in ``item`` (any common audio file), its length and, with
+        ``opts.timestamps``, its segments (each 30 s window decoded on its own)."""
+        opts = opts or TranscribeOptions()
+        prompt = self.decoder_prompt(opts)
         inp = self.preprocess(item)
-        texts = [
-            self.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            for ids in self.transcribe_ids(inp)
-        ]
-        return Transcript(" ".join(t for t in texts if t), inp.num_samples / SAMPLE_RATE)
+        if prompt == self.prompt and opts.temperature == 0:  # the plain greedy path
+            texts = [self._text(ids) for ids in self.transcribe_ids(inp)]
+            return Transcript(" ".join(t for t in texts if t), inp.num_samples / SAMPLE_RATE)
+        rules = None
+        if opts.timestamps:
+            rules = timestamp_rules(self.timestamp_begin, self.eos, self.no_timestamps)
+        gen = None
+        if opts.temperature > 0 and opts.seed is not None:
+            gen = torch.Generator().manual_seed(opts.seed)
+        sot = prompt.index(self.prompt[0])  # after the previous text, if any
+        no_speech = (sot, self.no_speech_id) if self.no_speech_id is not None else None
+        max_new = min(self.max_new, self.model.max_target - len(prompt))
+        texts, segments, left = [], [], inp.num_samples
+        with self._lock:
+            for w, (states, _) in enumerate(self._windows(inp)):
+                seconds = min(left, 30 * SAMPLE_RATE) / SAMPLE_RATE
+                left -= 30 * SAMPLE_RATE
+                d = self.model.decode(
+                    states,
+                    prompt,
+                    self.eos,
+                    self.suppress,
+                    self.begin_suppress,
+                    max_new,
+                    temperature=opts.temperature,
+                    rules=rules,
+                    generator=gen,
+                    no_speech=no_speech,
+                )
+                text_ids = [t for t in d.ids if t < self.timestamp_begin]
+                texts.append(self._text(text_ids))
+                if opts.timestamps:
+                    segments += segments_of(
+                        d.ids,
+                        d.logprobs,
+                        self.timestamp_begin,
+                        self._text,
+                        w,
+                        seconds,
+                        opts.temperature,
+                        d.no_speech_prob,
+                        len(segments),
+                    )
+        text = " ".join(t for t in texts if t)
+        seconds = inp.num_samples / SAMPLE_RATE
+        return Transcript(text, seconds, tuple(segments), opts.language or "en")
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
     def transcribe(self, item: MediaInput) -> str:
         return self.transcript(item).text

@@ -1,0 +1,1 @@
+"""The embed role: a sentence-embedding model (BERT encoder + pooling) behind ``Invoke``."""

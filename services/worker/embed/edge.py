@@ -1,0 +1,69 @@
+"""The worker's gRPC edge of the embed role's ``Invoke`` operation.
+
+``embed``: inputs ``texts`` (a list of strings, tokenized here) or ``token_ids`` (a list of
+token id lists), and optionally ``dimensions``; outputs ``embeddings`` (the vectors as
+float32 little-endian bytes, ``count`` rows of ``dim``), ``dim``, ``count`` and
+``prompt_tokens``. Bytes, not a list of floats: 384 floats as protobuf Values would be ten
+times the size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from omniflow.api.common.v1 import common_pb2
+from omniflow.api.worker.v1 import worker_pb2
+from omniflow.errors import InvalidArgument
+from omniflow.values import to_python
+from omniflow.workers import ROLE_OPERATIONS
+from omniflow_services.worker.embed.role import EmbedRole
+
+EMBED_OPERATIONS = ROLE_OPERATIONS["embed"]
+
+
+def _inputs(request: worker_pb2.InvokeRequest) -> tuple[list[str] | None, list[list[int]] | None]:
+    given = dict(request.inputs)
+    unknown = set(given) - {"texts", "token_ids", "dimensions"}
+    if unknown:
+        raise InvalidArgument(
+            f"inputs {sorted(unknown)} are not taken by embed; accepted: texts, token_ids, "
+            "dimensions"
+        )
+    if ("texts" in given) == ("token_ids" in given):
+        raise InvalidArgument("embed takes one of inputs.texts or inputs.token_ids")
+    if "texts" in given:
+        texts = to_python(given["texts"])
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise InvalidArgument("inputs.texts must be a list of strings")
+        return texts, None
+    ids = to_python(given["token_ids"])
+    if not isinstance(ids, list) or not all(
+        isinstance(x, tuple | list) and all(isinstance(t, int) for t in x) for x in ids
+    ):
+        raise InvalidArgument("inputs.token_ids must be a list of token id lists")
+    return None, [list(x) for x in ids]
+
+
+async def invoke_embed(
+    role: EmbedRole, request: worker_pb2.InvokeRequest
+) -> worker_pb2.InvokeResponse:
+    """Serve ``embed`` (the one operation of ``EMBED_OPERATIONS``)."""
+    texts, ids = _inputs(request)
+    if "dimensions" in request.inputs:
+        dims = to_python(request.inputs["dimensions"])
+        if dims != role.dim:
+            raise InvalidArgument(
+                f"dimensions={dims}: model {role.folder.name!r} does not support matryoshka "
+                f"representation; it gives {role.dim} dimensions only (leave dimensions unset)"
+            )
+    done = await (role.embed_texts(texts) if texts is not None else role.embed_ids(ids or []))
+    data = np.ascontiguousarray(done.vectors.numpy(), dtype="<f4").tobytes()
+    count, dim = done.vectors.shape
+    return worker_pb2.InvokeResponse(
+        outputs={
+            "embeddings": common_pb2.Value(bytes_value=data),
+            "dim": common_pb2.Value(int_value=dim),
+            "count": common_pb2.Value(int_value=count),
+            "prompt_tokens": common_pb2.Value(int_value=done.prompt_tokens),
+        }
+    )
