@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,24 @@ from omniflow_services.kv_agent.config import KVAgentSettings
 from omniflow_services.kv_agent.server import KVAgentApp
 from omniflow_services.kv_index.config import KVIndexSettings
 from omniflow_services.kv_index.server import KVIndexApp
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_run_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Tests never read the user's run folder (``.omniflow/run``, or their
+    ``OMNIFLOW_RUN_DIR``): a topology the user started, or the credentials a killed one
+    left there, must not reach a test or the CLI it starts. Every process the suite starts
+    inherits this empty folder; a test that runs ``omniflow up`` names a folder of its own."""
+    folder = tmp_path_factory.mktemp("run")
+    saved = os.environ.get("OMNIFLOW_RUN_DIR")
+    os.environ["OMNIFLOW_RUN_DIR"] = str(folder)
+    try:
+        yield folder
+    finally:
+        if saved is None:
+            os.environ.pop("OMNIFLOW_RUN_DIR", None)
+        else:
+            os.environ["OMNIFLOW_RUN_DIR"] = saved
 
 
 @pytest.fixture(scope="session")

@@ -290,6 +290,7 @@ def start_redis(
     Redis's log if the server does not come up within ``startup_timeout_s``.
     """
     binary = binary or find_redis_server()
+        umask=0o077,  # its log and append-only file (tenants' run inputs): 0600
     tmp: Path | None = None
     if dir is None:
         tmp = workdir = Path(tempfile.mkdtemp(prefix="omniflow-redis-"))

@@ -418,11 +418,15 @@ class RunManager:
         was = cpb.RunState.Name(run.state).removeprefix("RUN_STATE_").lower()
         reason = (
             f"UNAVAILABLE: the run ended ({was}) but Redis did not take its record for "
+            log.warning("run %s (workflow %s v%d) failed at node %s: %s", live.run.run_id,
+                        graph.name, graph.version, exc.path, exc.reason)  # fmt: skip
             f"{self.record_retry_s:.0f} s ({type(exc).__name__}: {exc}); reported failed "
             "instead of finished unrecorded: submit it again"
         )
         log.error("run %s: %s", run.run_id, reason)
         run.state, run.error = cpb.RUN_STATE_FAILED, reason
+            log.warning("run %s (workflow %s v%d) failed: %s", live.run.run_id, graph.name,
+                        graph.version, error)  # fmt: skip
         run.outputs.clear()
         finished = live.event(
             run_finished=cpb.RunFinished(state=cpb.RUN_STATE_FAILED, error=reason)

@@ -29,7 +29,7 @@ from omniflow.security import policy
 from omniflow.security.apikeys import ApiKeyTable
 from omniflow.security.identity import Principal
 from omniflow.security.transport import state as security_state
-from omniflow_services.gateway import metrics
+from omniflow_services.gateway import access, metrics
 from omniflow_services.gateway.config import GatewaySettings
 from omniflow_services.gateway.core import GatewayCore, new_id
 from omniflow_services.gateway.errors import APIError, from_domain
@@ -61,7 +61,8 @@ class Guard:
         self.app = app
         self.key = settings.api_key.encode()
         keys_file = settings.api_keys_file
-        self.keys = ApiKeyTable.load(Path(keys_file)) if keys_file else None
+        # Read again when the file changes: a removed key stops working within a second.
+        self._keys = ApiKeyTable.watch(Path(keys_file)) if keys_file else None
         self.identity = security_state().identity  # the gateway's own (None with TLS off)
         self.max_body = settings.max_body_bytes
         self.max_in_flight = settings.max_in_flight
@@ -69,6 +70,10 @@ class Guard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+    @property
+    def keys(self) -> ApiKeyTable | None:
+        return self._keys.current() if self._keys is not None else None
+
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
@@ -81,6 +86,8 @@ class Guard:
         status = [500]
 
         async def send_with_id(message: Message) -> None:
+        entry = access.Entry(scope.get("method", ""), path, given or rid)
+        logged = access.begin(entry)
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
                 message["headers"] = [*message.get("headers", []), echo]
@@ -107,7 +114,9 @@ class Guard:
                 return
             self.in_flight += 1
             metrics.IN_FLIGHT.inc()
-            acting = policy.set_current(self._caller(headers))
+            caller = self._caller(headers)
+            entry.tenant = caller.tenant
+            acting = policy.set_current(caller)
             try:
                 await self.app(scope, self._bounded(receive), send_with_id)
             finally:
@@ -118,6 +127,8 @@ class Guard:
             metrics.REQUESTS.labels(route, str(status[0])).inc()
 
     def _caller(self, headers: dict[bytes, bytes]) -> Principal:
+            arrived = scope["state"]["arrived"]
+            access.end(logged, entry, status[0], (time.perf_counter() - arrived) * 1e3)
         """Whom the request acts for: the tenant of its key (checked by ``_check``), or the
         gateway itself (no key table, or an admin key: the shared tenant "")."""
         grant = self.keys.lookup(_bearer(headers).decode("latin-1")) if self.keys else None

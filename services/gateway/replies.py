@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from omniflow.errors import OmniflowError
+from omniflow_services.gateway import access
 from omniflow_services.gateway.errors import APIError, from_domain
 from omniflow_services.gateway.protocol import PromptTokensDetails, Usage, error_body
 
@@ -33,6 +34,7 @@ def sse(obj: BaseModel | dict[str, Any]) -> bytes:
 
 
 def usage(prompt: int, cached: int, completion: int) -> Usage:
+    access.note_usage(prompt, cached, completion)  # the request's line in the access log
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,

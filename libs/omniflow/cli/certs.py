@@ -9,6 +9,13 @@ writes ``ca.pem``, ``<kind>.<node>.<instance>.pem/.key`` (keys 0600) and ``token
 also writes the gateway's key table ``gateway-keys.json`` (OMNIFLOW_GATEWAY_API_KEYS_FILE).
 ``--keep`` leaves a folder that already holds a CA and tokens as it is (a one-shot that
 runs on every ``docker compose up``); ``--owner UID`` hands the files to the services' user.
+
+    omniflow certs rotate [--dir FOLDER]
+
+renews every service and client certificate in FOLDER (default: the ``pki/`` of the
+``omniflow up`` topology of the run folder) with a new key, signed by the same CA, keeping
+identities and names; running services take the new files at their next TLS handshake
+(``Security.server_credentials``), without a restart and without losing a request.
 See docs/security.md.
 """
 
@@ -23,7 +30,7 @@ from pathlib import Path
 
 from omniflow.errors import InvalidArgument
 from omniflow.security.apikeys import write_keys
-from omniflow.security.certs import IssuedCert, ensure_ca, issue
+from omniflow.security.certs import CA_CERT, IssuedCert, ensure_ca, issue, renew_all
 from omniflow.security.identity import ROLES, Identity, write_tokens
 
 TOKENS_FILE = "tokens.json"
@@ -90,8 +97,21 @@ def make_bundle(
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("certs", help="make a local CA, service certificates and caller tokens")
-    p.add_argument("--dir", type=Path, required=True, help="folder for the CA, certs and tokens")
+    p = sub.add_parser(
+        "certs", help="make a local CA, service certificates and caller tokens; or rotate them"
+    )
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=("make", "rotate"),
+        default="make",
+        help="make (default) or rotate: renew every certificate in --dir, same CA",
+    )
+    p.add_argument(
+        "--dir",
+        type=Path,
+        help="folder for the CA, certs and tokens (rotate: default the run folder's pki/)",
+    )
     p.add_argument(
         "--identity",
         action="append",
@@ -129,7 +149,25 @@ def _api_keys(folder: Path, specs: list[str]) -> dict[str, str]:
     return keys
 
 
+def rotate(folder: Path | None) -> int:
+    """``omniflow certs rotate``: see the module docstring."""
+    if folder is None:
+        from omniflow.cli.local import run_dir
+        from omniflow.security.local import PKI_DIR
+
+        folder = run_dir() / PKI_DIR
+    if not (folder / CA_CERT).is_file():
+        raise InvalidArgument(f"no CA in {folder} ({CA_CERT}): nothing to rotate; see --dir")
+    renewed = renew_all(folder)
+    print(json.dumps({"folder": str(folder), "renewed": [c.identity.uri for c in renewed]}))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.action == "rotate":
+        return rotate(args.dir)
+    if args.dir is None:
+        raise InvalidArgument("omniflow certs: --dir is required (the folder to write)")
     if args.keep and (args.dir / "ca.pem").is_file() and (args.dir / TOKENS_FILE).is_file():
         print(json.dumps({"kept": str(args.dir)}))
         return 0

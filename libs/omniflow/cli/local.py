@@ -17,6 +17,7 @@ certificate per process, tokens and gateway API keys under ``pki/``); ``up --ins
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -35,8 +36,9 @@ from omniflow.localredis import redact_url, start_redis
 from omniflow.rpc.client import check_health
 from omniflow.security import local as local_security
 
-STATE = "state.json"
+STATE = local_security.STATE_FILE  # one name for up, down and the clients
 SUPERVISOR = "omniflow.cli.supervise"
+UMASK = 0o077  # of ``up`` and every process it starts: run-folder files 0600, folders 0700
 
 
 @dataclass(slots=True)
@@ -131,7 +133,7 @@ def _spawn(folder: Path, name: str, module: str, env: dict[str, str]) -> Proc:
     target = module if "." in module else f"omniflow_services.{module}"
     # A worker may run from another virtualenv (the vLLM engine's: docs/vllm.md).
     python = full_env.get("OMNIFLOW_WORKER_PYTHON", "") if module == "worker" else ""
-    with open(log, "ab") as out:
+    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
         p = subprocess.Popen(
             [os.path.expanduser(python) if python else sys.executable, "-m", target],
             env=full_env,
@@ -139,6 +141,7 @@ def _spawn(folder: Path, name: str, module: str, env: dict[str, str]) -> Proc:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # survives the CLI; ended by `omniflow down`
+            umask=UMASK,  # its ready file, its own files: 0600 (the supervisor's restarts too)
         )
     return Proc(name, module, p.pid, str(log), marker=target, env=env)
 
@@ -226,8 +229,29 @@ async def _statuses(procs: list[Proc]) -> list[str]:
     return list(await asyncio.gather(*(one(p) for p in procs)))
 
 
+def secure_tree(folder: Path) -> None:
+    """The run folder and every folder in it 0700, every file 0600: what an older run or a
+    loose umask left there too (Redis's append-only file holds tenants' run inputs)."""
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        with contextlib.suppress(FileNotFoundError):  # a service's temporary file, gone
+            path.chmod(0o700 if path.is_dir() else 0o600)
+
+
 async def up(topology: Topology, start_timeout_s: float = 120.0, insecure: bool = False) -> int:
-    """Start ``topology``; mutual TLS and auth unless ``insecure`` (or OMNIFLOW_UP_TLS=off)."""
+    """Start ``topology``; mutual TLS and auth unless ``insecure`` (or OMNIFLOW_UP_TLS=off).
+
+    Whatever the caller's umask, the run folder is 0700 and what is made in it 0600: this
+    process and every one it starts (they inherit it) run with umask 077."""
+    old = os.umask(UMASK)
+    try:
+        return await _up(topology, start_timeout_s, insecure)
+    finally:
+        os.umask(old)
+
+
+async def _up(topology: Topology, start_timeout_s: float, insecure: bool) -> int:
     folder = run_dir()
     secure = not insecure and local_security.enabled()
     procs, _ = _load_state(folder)
@@ -238,6 +262,7 @@ async def up(topology: Topology, start_timeout_s: float = 120.0, insecure: bool 
         return 1
     for sub in ("logs", "ready", "redis"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
+    secure_tree(folder)
     procs = []
     env = {
         "OMNIFLOW_DISCOVERY": "redis",
@@ -270,7 +295,7 @@ async def up(topology: Topology, start_timeout_s: float = 120.0, insecure: bool 
         pki = None
         if secure:  # mutual TLS and auth (docs/security.md)
             pki = local_security.prepare(folder, topology.node, [(n, m) for n, m, _ in plan])
-            local_security.use_local_security(folder)
+            local_security.use_local_security(folder, starting=True)
         else:
             local_security.clear(folder)
             print("PLAINTEXT, no auth (--insecure / OMNIFLOW_UP_TLS=off): for development only")
@@ -306,13 +331,15 @@ async def up(topology: Topology, start_timeout_s: float = 120.0, insecure: bool 
 
 
 def _start_supervisor(folder: Path) -> int:
-    with open(folder / "logs" / "supervisor.log", "ab") as out:
+    log = folder / "logs" / "supervisor.log"
+    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as out:
         p = subprocess.Popen(
             [sys.executable, "-m", SUPERVISOR, str(folder)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            umask=UMASK,  # what it restarts (Redis included) inherits it
         )
     return p.pid
 
@@ -372,12 +399,32 @@ def down() -> int:
         print("stopped the supervisor")
     procs, _ = _load_state(folder)  # read after it stopped: the PIDs it restarted
     if not procs:
+        local_security.clear(folder)
         print(f"nothing to stop (no state in {folder})")
         return 0
     killed = stop_all(procs)
     for p in procs:
         print(f"stopped {p.name} (pid {p.pid}){' with SIGKILL' if p.name in killed else ''}")
     (folder / STATE).unlink(missing_ok=True)
+    local_security.clear(folder)  # its tokens and keys died with it
+    return 0
+
+
+def api_key(admin: bool = False) -> int:
+    """``omniflow api-key``: print the gateway API key of the topology running from the run
+    folder (tenant ``local``; ``admin``: the admin key), read from that topology, so that a
+    key left by a stopped one is never handed out."""
+    folder = run_dir()
+    procs, _ = _load_state(folder)
+    if not any(_alive(p) for p in procs):
+        print(f"nothing is running (run folder {folder}): `omniflow up` first", file=sys.stderr)
+        return 1
+    record = local_security.client_record(folder)
+    if not record:
+        print("the topology runs plaintext (--insecure): the gateway takes no key",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(record["gateway_admin_key" if admin else "gateway_api_key"])
     return 0
 
 

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("status", help="show the local topology")
     sub.add_parser("down", help="stop everything `omniflow up` started")
+    p_key = sub.add_parser(
+        "api-key", help="print the gateway API key of the running topology (OPENAI_API_KEY)"
+    )
+    p_key.add_argument("--admin", action="store_true", help="the admin key (shared tenant)")
     p_set = sub.add_parser("settings", help="print every setting as a Markdown table")
     p_set.add_argument(
         "--write", type=Path, help="replace the table between the settings markers of FILE"
@@ -99,10 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("omniflow", "WARNING")
     try:
         if args.command in workflow_cli.COMMANDS:
-            from omniflow.cli.local import run_dir
-            from omniflow.security.local import use_local_security
-
-            use_local_security(run_dir())  # a secured `omniflow up`: its client certificate
+            # omniflow.client.Client presents the run folder's client certificate only when
+            # no coordinator address is given: an address is another topology's.
             return workflow_cli.dispatch(args)
         if args.command == "up":
             from omniflow.cli import local
@@ -118,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             from omniflow.cli import local
 
             return local.down()
+        if args.command == "api-key":
+            from omniflow.cli import local
+
+            return local.api_key(args.admin)
         if args.command == "settings":
             if args.write:
                 write_settings_table(args.write)

@@ -232,11 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging("omniflow", "WARNING")
     try:
-        from omniflow.cli.local import run_dir
-        from omniflow.security.local import use_local_security
-
-        use_local_security(run_dir())  # `omniflow up`'s client certificate, as main.py does
-        return dispatch(args)
+        return dispatch(args)  # Client takes `omniflow up`'s certificate when no address given
     except OmniflowError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

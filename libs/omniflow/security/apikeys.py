@@ -2,8 +2,11 @@
 
 ``OMNIFLOW_GATEWAY_API_KEYS_FILE`` is a JSON file (0600)::
 
-    {"keys": [{"key": "…", "tenant": "acme"},
+    {"keys": [{"key": "…", "tenant": "acme", "expires_at": "2026-12-31T23:59:59Z"},
               {"key": "…", "tenant": "", "admin": true}]}
+
+``expires_at`` is optional (Unix seconds or ISO 8601); an expired key is refused. The
+gateway reads the file again when it changes (``omniflow.security.reload``).
 
 A request's tenant is forwarded to the coordinator, the router and the workers
 (``x-omniflow-tenant``), so its runs, workflows and cached KV pages are that tenant's. An
@@ -15,11 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from omniflow.errors import InvalidArgument
-from omniflow.security.identity import token_digest
+from omniflow.security.identity import parse_expiry, token_digest
+from omniflow.security.reload import Reloading
 
 MIN_KEY_CHARS = 16
 
@@ -28,6 +33,7 @@ MIN_KEY_CHARS = 16
 class KeyGrant:
     tenant: str
     admin: bool = False
+    expires_at: float = 0.0  # Unix seconds; 0: never
 
 
 class ApiKeyTable:
@@ -40,7 +46,16 @@ class ApiKeyTable:
         return len(self._by_digest)
 
     def lookup(self, key: str) -> KeyGrant | None:
-        return self._by_digest.get(token_digest(key))
+        grant = self._by_digest.get(token_digest(key))
+        if grant is None or (grant.expires_at and time.time() >= grant.expires_at):
+            return None
+        return grant
+
+    @classmethod
+    def watch(cls, path: Path) -> Reloading[ApiKeyTable]:
+        """The table of ``path``, loaded again when the file changes (a removed key stops
+        working within ``reload.CHECK_S``)."""
+        return Reloading(path, cls.load, lambda: cls({}))
 
     @classmethod
     def load(cls, path: Path) -> ApiKeyTable:
@@ -66,7 +81,8 @@ class ApiKeyTable:
                 raise InvalidArgument(f"{where}: keys[{i}].tenant is required (not an admin)")
             if "/" in tenant or len(tenant) > 128:
                 raise InvalidArgument(f"{where}: keys[{i}].tenant: at most 128 chars, no '/'")
-            grants[token_digest(key)] = KeyGrant("" if admin else tenant, admin)
+            expires = parse_expiry(entry.get("expires_at"), f"{where}: keys[{i}]")
+            grants[token_digest(key)] = KeyGrant("" if admin else tenant, admin, expires)
         return cls(grants)
 
 

@@ -42,11 +42,19 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-    # Created 0600 from the start: never a moment where the key is world-readable.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    _write_private(path, data)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """``data`` into ``path``, 0600 from the start (never a moment where a key is
+    world-readable) and whole: written beside it, then renamed over it, so that a service
+    reloading its files (a rotation) never reads half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as out:
         out.write(data)
-    os.chmod(path, 0o600)
+    os.chmod(tmp, 0o600)
+    tmp.replace(path)
 
 
 def _name(common: str) -> x509.Name:
@@ -99,7 +107,7 @@ def ensure_ca(folder: Path) -> tuple[Path, Path]:
         .sign(key, hashes.SHA256())
     )
     _write_key(key_path, key)
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path
 
 
@@ -151,5 +159,38 @@ def issue(folder: Path, identity: Identity, dns: tuple[str, ...] = ()) -> Issued
     stem = identity.file_stem
     key_path, cert_path = folder / f"{stem}.key", folder / f"{stem}.pem"
     _write_key(key_path, key)
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return IssuedCert(identity, cert_path, key_path)
+
+
+def extra_names(cert_path: Path) -> tuple[str, ...]:
+    """The DNS and IP names of a certificate beyond the ones :func:`issue` always adds
+    (compose service names, a node's address): a renewed certificate keeps them."""
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return ()
+    always = {"localhost", socket.gethostname(), "127.0.0.1", "::1"}
+    names = [*sans.get_values_for_type(x509.DNSName)]
+    names += [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)]
+    return tuple(n for n in names if n not in always)
+
+
+def renew_all(folder: Path) -> list[IssuedCert]:
+    """A new key and certificate, signed by the same CA, for every identity certificate in
+    ``folder`` (``omniflow certs rotate``); names and identities are kept."""
+    from omniflow.security.transport import identity_of_pem
+
+    renewed = []
+    for cert_path in sorted(folder.glob("*.pem")):
+        if cert_path.name == CA_CERT or not (cert_path.with_suffix(".key")).is_file():
+            continue
+        identity = identity_of_pem(cert_path.read_bytes())
+        issued = issue(folder, identity, extra_names(cert_path))
+        if issued.cert != cert_path:  # a file named otherwise: keep the name services read
+            issued.cert.replace(cert_path)
+            issued.key.replace(cert_path.with_suffix(".key"))
+            issued = IssuedCert(identity, cert_path, cert_path.with_suffix(".key"))
+        renewed.append(issued)
+    return renewed

@@ -10,9 +10,11 @@ it is with ``x-omniflow-tenant``; only those kinds are believed.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,6 +122,10 @@ UNCHECKED = Principal(None, "", frozenset(), enforced=False)
 class TokenGrant:
     tenant: str
     roles: frozenset[str]
+    expires_at: float = 0.0  # Unix seconds; 0: never
+
+    def expired(self, now: float | None = None) -> bool:
+        return bool(self.expires_at) and (time.time() if now is None else now) >= self.expires_at
 
 
 def token_digest(token: str) -> str:
@@ -127,10 +133,33 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class TokenTable:
-    """token → (tenant, roles), from a JSON file::
+def parse_expiry(value: object, where: str) -> float:
+    """An entry's ``expires_at``: Unix seconds, or an ISO 8601 time with its zone
+    (``2026-12-31T23:59:59Z``); absent or null: never (0.0)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    if isinstance(value, str):
+        try:
+            when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            when = None
+        if when is not None and when.tzinfo is not None:
+            return when.timestamp()
+    raise InvalidArgument(
+        f"{where}.expires_at is {value!r}; accepted: Unix seconds (> 0) or an ISO 8601 "
+        "time with its zone, e.g. 2026-12-31T23:59:59Z"
+    )
 
-    {"tokens": [{"token": "…", "tenant": "acme", "roles": ["user"]}, …]}
+
+class TokenTable:
+    """token → (tenant, roles, expiry), from a JSON file::
+
+    {"tokens": [{"token": "…", "tenant": "acme", "roles": ["user"],
+                 "expires_at": "2026-12-31T23:59:59Z"}, …]}
+
+    ``expires_at`` is optional (Unix seconds or ISO 8601); an expired token is not valid.
     """
 
     def __init__(self, grants: dict[str, TokenGrant]) -> None:
@@ -140,7 +169,8 @@ class TokenTable:
         return len(self._by_digest)
 
     def lookup(self, token: str) -> TokenGrant | None:
-        return self._by_digest.get(token_digest(token))
+        grant = self._by_digest.get(token_digest(token))
+        return None if grant is None or grant.expired() else grant
 
     @classmethod
     def load(cls, path: Path) -> TokenTable:
@@ -160,7 +190,8 @@ class TokenTable:
                 raise InvalidArgument(
                     f"{path}: tokens[{i}].roles {sorted(bad)}; accepted: {', '.join(ROLES)}"
                 )
-            grants[token_digest(token)] = TokenGrant(str(tenant), roles)
+            expires = parse_expiry(entry.get("expires_at"), f"{path}: tokens[{i}]")
+            grants[token_digest(token)] = TokenGrant(str(tenant), roles, expires)
         return cls(grants)
 
 

@@ -125,10 +125,20 @@ def client_settings(folder: Path) -> SecuritySettings | None:
     )
 
 
-def use_local_security(folder: Path) -> bool:
+STATE_FILE = "state.json"  # omniflow.cli.local's record of the processes it started
+
+
+def use_local_security(folder: Path, *, starting: bool = False) -> bool:
     """Make this process a client of the secured topology in ``folder`` (True), unless the
-    environment configures security itself or the topology runs plaintext (False)."""
+    environment configures security itself, the topology runs plaintext, or no topology
+    is recorded there (False). ``pki/client.json`` outlives a topology whose processes
+    were killed: without ``state.json`` beside it (``up`` writes it, ``down`` removes
+    both) it is another run's, and a client that took it would fail every handshake with
+    whatever plaintext topology it talks to now. ``starting``: ``up`` itself, before its
+    first process is recorded."""
     if os.environ.get("OMNIFLOW_TLS"):
+        return False
+    if not starting and not (folder / STATE_FILE).is_file():
         return False
     settings = client_settings(folder)
     if settings is None:
@@ -156,5 +166,5 @@ def client_record(folder: Path) -> dict[str, str]:
 
 
 def clear(folder: Path) -> None:
-    """A plaintext ``up``: forget the client settings of an earlier secured run."""
+    """Forget the client settings of a secured run: a plaintext ``up``, and ``down``."""
     (folder / PKI_DIR / CLIENT_FILE).unlink(missing_ok=True)
