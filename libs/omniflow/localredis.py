@@ -266,6 +266,7 @@ def spawn_redis(argv: list[str], dir: Path, password: str = "") -> subprocess.Po
         stdin=subprocess.PIPE if password else subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        umask=0o077,  # its log and append-only file (tenants' run inputs): 0600
     )
     if password and proc.stdin is not None:
         proc.stdin.write(f"requirepass {password}\n".encode())
@@ -290,7 +291,6 @@ def start_redis(
     Redis's log if the server does not come up within ``startup_timeout_s``.
     """
     binary = binary or find_redis_server()
-        umask=0o077,  # its log and append-only file (tenants' run inputs): 0600
     tmp: Path | None = None
     if dir is None:
         tmp = workdir = Path(tempfile.mkdtemp(prefix="omniflow-redis-"))

@@ -372,11 +372,15 @@ class RunManager:
                 outputs = await executor.run(values, list(graph.nodes), graph.outputs)
         except NodeFailed as exc:
             state, error = cpb.RUN_STATE_FAILED, str(exc)
+            log.warning("run %s (workflow %s v%d) failed at node %s: %s", live.run.run_id,
+                        graph.name, graph.version, exc.path, exc.reason)  # fmt: skip
         except TimeoutError:
             running = sorted(p for p, n in live.nodes.items() if n.state == cpb.RUN_STATE_RUNNING)
             state = cpb.RUN_STATE_FAILED
             error = f"deadline of {deadline_ms} ms exceeded; cancelled nodes: "
             error += ", ".join(running) or "none"
+            log.warning("run %s (workflow %s v%d) failed: %s", live.run.run_id, graph.name,
+                        graph.version, error)  # fmt: skip
         except asyncio.CancelledError:
             state, error = cpb.RUN_STATE_CANCELLED, live.cancel_reason or "cancelled"
         except Exception as exc:  # a bug: the run fails with it rather than hanging
@@ -418,15 +422,11 @@ class RunManager:
         was = cpb.RunState.Name(run.state).removeprefix("RUN_STATE_").lower()
         reason = (
             f"UNAVAILABLE: the run ended ({was}) but Redis did not take its record for "
-            log.warning("run %s (workflow %s v%d) failed at node %s: %s", live.run.run_id,
-                        graph.name, graph.version, exc.path, exc.reason)  # fmt: skip
             f"{self.record_retry_s:.0f} s ({type(exc).__name__}: {exc}); reported failed "
             "instead of finished unrecorded: submit it again"
         )
         log.error("run %s: %s", run.run_id, reason)
         run.state, run.error = cpb.RUN_STATE_FAILED, reason
-            log.warning("run %s (workflow %s v%d) failed: %s", live.run.run_id, graph.name,
-                        graph.version, error)  # fmt: skip
         run.outputs.clear()
         finished = live.event(
             run_finished=cpb.RunFinished(state=cpb.RUN_STATE_FAILED, error=reason)

@@ -68,12 +68,12 @@ class Guard:
         self.max_in_flight = settings.max_in_flight
         self.in_flight = 0
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
     @property
     def keys(self) -> ApiKeyTable | None:
         return self._keys.current() if self._keys is not None else None
 
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
@@ -84,10 +84,10 @@ class Guard:
         scope.setdefault("state", {}).update(request_id=rid, arrived=time.perf_counter())
         echo = (b"x-request-id", (given or rid).encode("latin-1"))
         status = [500]
-
-        async def send_with_id(message: Message) -> None:
         entry = access.Entry(scope.get("method", ""), path, given or rid)
         logged = access.begin(entry)
+
+        async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
                 message["headers"] = [*message.get("headers", []), echo]
@@ -125,10 +125,10 @@ class Guard:
                 metrics.IN_FLIGHT.dec()
         finally:
             metrics.REQUESTS.labels(route, str(status[0])).inc()
-
-    def _caller(self, headers: dict[bytes, bytes]) -> Principal:
             arrived = scope["state"]["arrived"]
             access.end(logged, entry, status[0], (time.perf_counter() - arrived) * 1e3)
+
+    def _caller(self, headers: dict[bytes, bytes]) -> Principal:
         """Whom the request acts for: the tenant of its key (checked by ``_check``), or the
         gateway itself (no key table, or an admin key: the shared tenant "")."""
         grant = self.keys.lookup(_bearer(headers).decode("latin-1")) if self.keys else None
