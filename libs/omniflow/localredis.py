@@ -51,6 +51,9 @@ def redact_url(url: str) -> str:
 
 
 SENTINEL_SCHEME = "redis+sentinel"
+#: ``redis+cluster://[:password@]host:port[,host:port...]``: a Redis Cluster (its nodes are
+#: found from these seeds); the KV index keeps its keys in one hash slot (index_store).
+CLUSTER_SCHEME = "redis+cluster"
 
 
 def redis_client(url: str, timeout_s: float, **kw: Any) -> aioredis.Redis:
@@ -74,7 +77,28 @@ def redis_client(url: str, timeout_s: float, **kw: Any) -> aioredis.Redis:
             sentinel_kwargs={"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s},
         )
         return sentinel.master_for(name, db=db, password=password, **common)
+    if url.startswith(CLUSTER_SCHEME + "://"):
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+        seeds, password = parse_cluster_url(url)
+        return RedisCluster(  # type: ignore[return-value]  # the commands the callers use
+            startup_nodes=[ClusterNode(h, p) for h, p in seeds], password=password, **common
+        )
     return aioredis.Redis.from_url(url, **common)
+
+
+def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], str | None]:
+    """``redis+cluster://[:pw@]h1:p1,h2:p2[/]`` → (seed nodes, password)."""
+    rest = url[len(CLUSTER_SCHEME) + 3 :].rstrip("/")
+    auth, _, hosts = rest.rpartition("@")
+    password = auth.partition(":")[2] or None if auth else None
+    seeds = []
+    for item in hosts.split(","):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(f"{redact_url(url)}: expected {CLUSTER_SCHEME}://host:port[,...]")
+        seeds.append((host, int(port)))
+    return seeds, password
 
 
 def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:

@@ -30,6 +30,12 @@ which already mixes in its namespace, so the namespace is checked here, not stor
                                dead owners, removed chunk by chunk by ``sweep``
 =============================  =========================================================
 
+On a Redis Cluster (``redis+cluster://`` URLs, ``omniflow.localredis.redis_client``) a prefix
+with no hash tag is wrapped in one (``{of:kv:}``), so that every key above is in one slot and
+each script touches only that slot (the run marker is each script's declared key, which a
+cluster client routes by). The index then runs on a cluster as on one Redis; it does not
+spread over the cluster's masters (docs/deploy.md).
+
 Protocol for an owner: ``register_owner`` → (epoch, seq 0) → ``snapshot`` of what it
 holds → ``apply_events`` with seq 1, 2, … and ``heartbeat`` within the lease. A gap in seq
 asks for a snapshot (same epoch; the snapshot names the seq it is consistent with); an
@@ -245,6 +251,10 @@ class KVIndex:
         if redis.get_encoder().decode_responses:
             raise ValueError("KVIndex needs a Redis client with decode_responses=False")
         self._r = redis
+        if _is_cluster(redis) and not _HASH_TAG.search(prefix):
+            # Every script reads and writes keys of many owners and blocks: on a Redis
+            # Cluster they must all be in one slot, so the prefix becomes their hash tag.
+            prefix = "{" + prefix + "}"
         self._p = prefix.encode()
         self.default_lease_ms = default_lease_ms
         self.max_hashes = max_hashes
@@ -475,11 +485,22 @@ class KVIndex:
                 pass
 
     async def _run(self, script: str, args: list[Any]) -> Any:
-        return await getattr(self._s, script)(args=args)
+        # The run marker is declared as the script's key: it names the slot (a cluster client
+        # routes by it) where every key the script builds from the prefix lives.
+        return await getattr(self._s, script)(keys=[self._p + b"run"], args=args)
 
     async def _check_namespaces(self, namespaces: Iterable[bytes]) -> None:
         for ns in set(namespaces):
             await self.layout(ns)
+
+
+_HASH_TAG = re.compile(r"\{[^}]+\}")
+
+
+def _is_cluster(client: Any) -> bool:
+    from redis.asyncio.cluster import RedisCluster
+
+    return isinstance(client, RedisCluster)
 
 
 def _check_owner_id(owner_id: str) -> None:
