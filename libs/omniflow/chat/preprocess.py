@@ -15,6 +15,7 @@ an event loop never does it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from omniflow.chat.template import ChatTemplate, read_template
+from omniflow.chat.tools import template_messages
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import DEFAULT_PAGE_SIZE, block_hashes
 from omniflow.security.kvsalt import salted_extra_keys
@@ -124,22 +126,49 @@ class Preprocessor:
             )
         return self.template
 
-    def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages`` under the model's template (media as placeholders)."""
-        return self.require_template().render(messages, add_generation_prompt)
+    def render_chat(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text of ``messages`` under the model's template (media as placeholders).
+
+        ``tools`` (OpenAI's function tools) and the history's tool calls and results are
+        rendered by the template when it takes tools, else through the tool prompt
+        (``omniflow.chat.tools``). ``template_kwargs`` are more template variables.
+        """
+        template = self.require_template()
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            messages = template_messages(messages, tools, template.takes_tools)
+            if not template.takes_tools:
+                tools = None
+        return template.render(
+            messages,
+            add_generation_prompt,
+            tools=tools or None,
+            continue_final_message=continue_final_message,
+            **dict(template_kwargs or {}),
+        )
 
     def encode_piece(self, text: str) -> list[int]:
         """Ids of ``text`` without special tokens added (a part of a rendered prompt)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def encode_chat(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
-        """Rendered with the template, then tokenized without adding special tokens again.
+    def encode_chat(
+        self, messages: Messages, add_generation_prompt: bool = True, **options: Any
+    ) -> list[int]:
+        """Rendered with the template (``options``: those of :meth:`render_chat`), then
+        tokenized without adding special tokens again.
 
         For text chats: a media part's placeholder would be tokenized as text here, while
         the worker puts the encoder's embeddings there (check ``has_media`` first and send
         such a chat as messages).
         """
-        return self.encode_piece(self.render_chat(messages, add_generation_prompt))
+        return self.encode_piece(self.render_chat(messages, add_generation_prompt, **options))
 
     def encode_text(self, text: str) -> list[int]:
         """Ids of a completion prompt, special tokens added as the tokenizer's default."""
@@ -168,9 +197,11 @@ class Preprocessor:
         return block_hashes(self.namespace, ids, self.page_size, salted)
 
     async def aencode_chat(
-        self, messages: Messages, add_generation_prompt: bool = True
+        self, messages: Messages, add_generation_prompt: bool = True, **options: Any
     ) -> list[int]:
-        return await asyncio.to_thread(self.encode_chat, messages, add_generation_prompt)
+        return await asyncio.to_thread(
+            functools.partial(self.encode_chat, messages, add_generation_prompt, **options)
+        )
 
     async def aencode_text(self, text: str) -> list[int]:
         return await asyncio.to_thread(self.encode_text, text)

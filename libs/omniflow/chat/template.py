@@ -22,6 +22,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -194,6 +195,8 @@ class ChatTemplate:
                 f"(line {exc.lineno})"
             ) from None
         self.content_format = PARTS_CONTENT if _walks_content(ast) else STRING_CONTENT
+        #: Whether the template renders ``tools`` itself (else a tool prompt is needed).
+        self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(ast)
 
     @classmethod
     def from_folder(cls, folder: Path) -> ChatTemplate | None:
@@ -210,20 +213,29 @@ class ChatTemplate:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """The prompt text of ``messages`` (OpenAI-style dicts; content a string or parts).
 
         Media parts become :data:`MEDIA_PLACEHOLDERS` inside the content, in place. A
         template that raises (``raise_exception``) or fails on the messages raises
-        ``InvalidArgument`` with the template's message.
+        ``InvalidArgument`` with the template's message. ``continue_final_message`` ends
+        the prompt right after the last message's text (its end-of-turn cut off), so that
+        the model continues it, as transformers does; ``kwargs`` are more template
+        variables (``chat_template_kwargs``).
         """
+        if continue_final_message and add_generation_prompt:
+            raise InvalidArgument(
+                "continue_final_message and add_generation_prompt cannot both be true: "
+                "continue the last message, or start a new assistant turn"
+            )
         chat = normalize_messages(messages, self.content_format)
         context = {**self.special_tokens, **kwargs}
         try:
             # tools and documents are always defined (None when absent), as in transformers:
             # templates test ``tools is not none``, which an undefined name would pass.
-            return self._compiled.render(
+            text = self._compiled.render(
                 messages=chat,
                 tools=None if tools is None else [dict(t) for t in tools],
                 documents=None if documents is None else [dict(d) for d in documents],
@@ -239,6 +251,35 @@ class ChatTemplate:
                 f"the chat template of {self.model} failed on the messages: "
                 f"{type(exc).__name__}: {exc}"
             ) from None
+        return _cut_after_final(text, chat[-1]) if continue_final_message else text
+
+
+def _cut_after_final(text: str, final: Mapping[str, Any]) -> str:
+    """``text`` cut right after the last occurrence of ``final``'s text (its last text part).
+
+    Templates often trim a message; then the cut is after the trimmed text, else after the
+    text with its own trailing whitespace (transformers' rule).
+    """
+    content = final.get("content")
+    if isinstance(content, Sequence) and not isinstance(content, str):
+        texts = [p["text"] for p in content if isinstance(p, Mapping) and "text" in p]
+        if not texts:
+            raise InvalidArgument(
+                "continue_final_message: the last message has no text to continue"
+            )
+        content = texts[-1]
+    content = content if isinstance(content, str) else ""
+    stripped = content.strip()
+    if stripped not in text:
+        raise InvalidArgument(
+            "continue_final_message: the last message's text does not appear in the "
+            "rendered prompt (the template changes it), so it cannot be continued"
+        )
+    at = text.rindex(stripped)
+    kept = content.lstrip()
+    if text[at : at + len(kept)] == kept:
+        return text[: at + len(kept)]
+    return text[: at + len(stripped)]
 
 
 def has_media(messages: Sequence[Mapping[str, Any]]) -> bool:
