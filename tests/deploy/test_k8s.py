@@ -134,7 +134,7 @@ def test_node_agent_and_workers_share_ipc(objects: list[dict[str, Any]]) -> None
         for n, d in _by(objects, "Deployment").items()
         if d["spec"]["template"]["spec"]["containers"][0]["image"].endswith("worker:dev")
     }
-    assert sorted(workers) == ["diffusion-2", "encoder-1", "llm-0", "talker-3"]
+    assert sorted(workers) == ["diffusion-2", "embed-4", "encoder-1", "llm-0", "talker-3"]
     for name, dep in workers.items():
         pod = dep["spec"]["template"]["spec"]
         assert pod["hostIPC"] is True, name

