@@ -4,12 +4,19 @@ the core never sees protobuf or gRPC types.
 
 Cancelling (or closing) a stream returned here cancels its RPC: a client that
 disconnects ends the worker's request (the worker aborts it and frees its pages).
+
+Routers and coordinators are called through ``replicas.Replicas``: every replica in
+discovery, failing over on UNAVAILABLE and waiting (``failover_wait_s``) while none
+answers. A Pick that finds no live worker of the model (one worker restarting) is asked
+again within that wait too. A workflow run carries a run id made here, so that a run whose
+coordinator died is followed on another one (which adopts it), not submitted twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,8 +26,8 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
-from omniflow.discovery import Registry, find_address
-from omniflow.errors import OmniflowError
+from omniflow.discovery import Registry
+from omniflow.errors import NotFound, OmniflowError, Unavailable
 from omniflow.finish import finish_from_proto
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
@@ -28,11 +35,12 @@ from omniflow.values import from_python, to_python
 from omniflow.wav import wav_bytes
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
 from omniflow_services.gateway.config import GatewaySettings
+from omniflow_services.gateway.replicas import BACKOFF_S, MAX_BACKOFF_S, Replicas
 
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 0.02
-RECHECK_S = 5.0  # how long a discovered router/coordinator address is reused
+RUN_STREAM_SLACK_S = 10.0  # a run's stream outlives its deadline by this much
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +181,23 @@ class Backends:
         self.registry = registry
         self._channels: dict[str, TracedChannel] = {}
         self._workers: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
-        self._router: tuple[str, float, router_pb2_grpc.RouterServiceStub] | None = None
-        self._coord: tuple[str, float, coordinator_pb2_grpc.CoordinatorServiceStub] | None = None
+        wait_s = settings.failover_wait_s
+        self.routers: Replicas[router_pb2_grpc.RouterServiceStub] = Replicas(
+            registry,
+            "router",
+            settings.router_addr,
+            self._channel,
+            router_pb2_grpc.RouterServiceStub,
+            wait_s,
+        )
+        self.coordinators: Replicas[coordinator_pb2_grpc.CoordinatorServiceStub] = Replicas(
+            registry,
+            "coordinator",
+            settings.coordinator_addr,
+            self._channel,
+            coordinator_pb2_grpc.CoordinatorServiceStub,
+            wait_s,
+        )
         self._listing: tuple[float, list[WorkerRecord]] | None = None
         self._outcomes: list[router_pb2.ReportOutcomeRequest] = []
         self._reporter: asyncio.Task[None] | None = None
@@ -198,25 +221,13 @@ class Backends:
             )
         return channel
 
-    async def _discover(self, service: str, configured: str) -> str:
-        return await find_address(self.registry, service, configured=configured)
-
     async def router(self) -> router_pb2_grpc.RouterServiceStub:
-        now = time.monotonic()
-        if self._router is not None and now - self._router[1] < RECHECK_S:
-            return self._router[2]
-        address = await self._discover("router", self.settings.router_addr)
-        self._router = (address, now, router_pb2_grpc.RouterServiceStub(self._channel(address)))
-        return self._router[2]
+        """The router to use now (``routers.call`` fails over; this does not)."""
+        return await self.routers.current()
 
     async def coordinator(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
-        now = time.monotonic()
-        if self._coord is not None and now - self._coord[1] < RECHECK_S:
-            return self._coord[2]
-        address = await self._discover("coordinator", self.settings.coordinator_addr)
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel(address))
-        self._coord = (address, now, stub)
-        return stub
+        """The coordinator to use now (``coordinators.call`` fails over; this does not)."""
+        return await self.coordinators.current()
 
     def _worker(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
         # One stub per worker: a stub builds a callable per method, too much per call.
@@ -249,9 +260,21 @@ class Backends:
             prompt_tokens=prompt_tokens,
             exclude_worker_ids=list(exclude),
         )
-        stub = await self.router()
-        reply = await stub.Pick(msg, timeout=self.settings.pick_timeout_s)
-        return Picked(reply.worker.worker_id, reply.worker.address)
+        timeout = self.settings.pick_timeout_s
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.settings.failover_wait_s
+        delay = BACKOFF_S
+        while True:
+            try:
+                reply = await self.routers.call(lambda stub: stub.Pick(msg, timeout=timeout))
+                return Picked(reply.worker.worker_id, reply.worker.address)
+            except NotFound:
+                # No live worker now: with one worker restarting, wait for it (the caller
+                # turns the NotFound left at the end into its 503).
+                if loop.time() + delay > end:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_BACKOFF_S)
 
     def report(self, worker_id: str, ok: bool, latency_ms: float, code: str = "") -> None:
         """Tell the router how a call went; batched off the critical path (failures at once)."""
@@ -269,6 +292,7 @@ class Backends:
         while self._outcomes:
             batch, self._outcomes = self._outcomes, []
             try:
+                # To the router that answered last (outcomes are advice: never waited for).
                 stub = await self.router()
                 await stub.ReportOutcomes(
                     router_pb2.ReportOutcomesRequest(outcomes=batch),
@@ -340,30 +364,69 @@ class Backends:
     # ------------------------------------------------------------ coordinator
 
     async def workflows(self) -> list[str]:
-        stub = await self.coordinator()
-        reply = await stub.ListWorkflows(
-            coordinator_pb2.ListWorkflowsRequest(), timeout=self.settings.pick_timeout_s
-        )
+        req, timeout = coordinator_pb2.ListWorkflowsRequest(), self.settings.pick_timeout_s
+        reply = await self.coordinators.call(lambda s: s.ListWorkflows(req, timeout=timeout))
         return [w.name for w in reply.workflows]
 
     async def workflow(self, name: str) -> WorkflowInfo:
-        stub = await self.coordinator()
-        reply = await stub.GetWorkflow(
-            coordinator_pb2.GetWorkflowRequest(name=name), timeout=self.settings.pick_timeout_s
-        )
+        req, timeout = coordinator_pb2.GetWorkflowRequest(name=name), self.settings.pick_timeout_s
+        reply = await self.coordinators.call(lambda s: s.GetWorkflow(req, timeout=timeout))
         return workflow_info(reply.graph)
 
     async def run_workflow(self, name: str, inputs: dict[str, Any]) -> AsyncIterator[RunChunk]:
-        """Run a workflow; yields its text and bytes chunks as they stream, then its outputs."""
-        stub = await self.coordinator()
+        """Run a workflow; yields its text and bytes chunks as they stream, then its outputs.
+
+        The run id is made here: when its coordinator stops answering, the run is submitted
+        again (idempotent: the same id) to another one and followed from the last event
+        seen, so a coordinator's death costs the run nothing it had streamed."""
         req = coordinator_pb2.SubmitRunRequest(
             workflow=name,
             inputs={k: from_python(v, f"input {k!r}") for k, v in inputs.items()},
             deadline_ms=int(self.settings.request_timeout_s * 1000),
+            run_id=f"gw-{secrets.token_hex(16)}",
         )
-        rpc = stub.RunWorkflow(req, timeout=self.settings.request_timeout_s)
+        timeout = self.settings.request_timeout_s + RUN_STREAM_SLACK_S
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        seen, submitted, delay = 0, False, BACKOFF_S
+        while True:
+            pool = self.coordinators
+            address = pool.order(await pool.addresses())[0]
+            stub = pool.stub(address)
+            if not submitted:
+                rpc = stub.RunWorkflow(req, timeout=timeout)
+            else:
+                rpc = stub.StreamRunEvents(
+                    coordinator_pb2.StreamRunEventsRequest(run_id=req.run_id, from_seq=seen + 1),
+                    timeout=max(end - loop.time(), 0.001),
+                )
+            try:
+                async for ev in self._run_chunks(rpc):
+                    if isinstance(ev, int):
+                        seen, submitted = ev, True
+                        continue
+                    yield ev
+                    if ev.outputs is not None:
+                        return
+                error = "its event stream ended before the run finished"
+            except Unavailable as exc:
+                error = str(exc)
+                pool.mark_down(address)
+            if loop.time() + delay > end:
+                raise Unavailable(f"run {req.run_id}: no coordinator reported its end ({error})")
+            log.info("run %s: %s (%s); following it on a coordinator", req.run_id, error, address)
+            if not submitted:
+                # Accepted or not, the id is ours: submitting it again is idempotent.
+                await pool.call(lambda s: s.SubmitRun(req, timeout=timeout))
+                submitted = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_BACKOFF_S)
+
+    async def _run_chunks(self, rpc: Any) -> AsyncIterator[RunChunk | int]:
+        """A run's event stream as chunks, and the sequence number of every event."""
         try:
             async for ev in rpc:
+                yield ev.seq
                 kind = ev.WhichOneof("event")
                 if kind == "node_output":
                     o = ev.node_output

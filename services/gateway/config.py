@@ -73,6 +73,14 @@ class GatewaySettings(CommonSettings):
         "routing strategy of llm calls (router: the router's default for the role)",
         choices=LLM_STRATEGIES,
     )
+    failover_wait_s: float = setting(
+        "OMNIFLOW_GATEWAY_FAILOVER_WAIT_S",
+        10.0,
+        "how long a request waits for a router or coordinator replica to answer (every one "
+        "is tried, then tried again with backoff), or for a live worker of its model, "
+        "before its 503",
+        minimum=0,
+    )
     router_addr: str = peer_address("OMNIFLOW_ROUTER_ADDR", "router address")
     coordinator_addr: str = peer_address("OMNIFLOW_COORDINATOR_ADDR", "coordinator address")
     models_dir: str = setting(

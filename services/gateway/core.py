@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from omniflow.chat import Preprocessor, acached_preprocessor
 from omniflow.errors import InvalidArgument, NotFound, OmniflowError, Unavailable
 from omniflow.workers import WorkerRecord
+from omniflow_services.gateway import metrics
 from omniflow_services.gateway.audio import talker_voice
 from omniflow_services.gateway.backends import (
     Backends,
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 WORKFLOW_PREFIX = "workflow:"
 DEFAULT_PAGE_SIZE = 16
 INLINE_CHARS = 1024  # prompts up to this many characters are tokenized on the loop
+MAX_ATTEMPTS = 3  # tries of one generation on workers that fail before its end
 T = TypeVar("T")
 SERVED_ROLES = ("llm", "diffusion", "talker")
 
@@ -210,34 +212,47 @@ class GatewayCore:
 
     # ------------------------------------------------------------ generating
 
-    async def generate(self, prep: Prepared, index: int) -> AsyncIterator[GenChunk]:
+    async def generate(
+        self, prep: Prepared, index: int, whole: bool = False
+    ) -> AsyncIterator[GenChunk]:
         """Choice ``index`` of a prompt: pick a worker, stream its Generate, report.
 
         With a seed, choice i samples with seed + i so that the choices differ. A worker
-        that is unavailable before its first token is replaced once by another.
+        that is unavailable before its first token is replaced by another (up to
+        ``MAX_ATTEMPTS`` tries; the same worker again, once restarted, when it is the
+        model's only one). With ``whole`` (a non-streamed answer) the chunks are held
+        until the generation ends, so that a worker dying mid-answer is retried too.
         """
         sampling = prep.sampling
         if sampling.seed is not None and index:
             sampling = replace(sampling, seed=(sampling.seed + index) % 2**63)
         call = GenerateCall(new_id("gen"), sampling, prep.token_ids, prep.messages)
-        exclude = await self._exclude("llm", prep.workers)
+        others = await self._exclude("llm", prep.workers)
+        failed: tuple[str, ...] = ()
         ahead = prep.picked.pop(index, None)
-        for attempt in range(2):
-            picked = ahead or await self._pick(prep, exclude)
+        for attempt in range(MAX_ATTEMPTS):
+            mine = {w.worker_id for w in prep.workers} - set(failed)
+            picked = ahead or await self._pick(prep, others + (failed if mine else ()))
             ahead = None
             started = time.perf_counter()
             sent = False
+            held: list[GenChunk] = []
             try:
                 async with aclosing(self.backends.generate(picked.address, call)) as stream:
                     async for chunk in stream:
+                        if whole:
+                            held.append(chunk)
+                            continue
                         sent = True
                         yield chunk
             except Unavailable as exc:
                 self._report(picked, started, False, "UNAVAILABLE")
-                if sent or attempt:
+                if sent or attempt == MAX_ATTEMPTS - 1:
                     raise
+                metrics.RETRIES.labels("mid_answer" if held else "before_first_token").inc()
                 log.info("worker %s unavailable (%s): trying another", picked.worker_id, exc)
-                exclude = (*exclude, picked.worker_id)
+                failed = (*failed, picked.worker_id)
+                call = replace(call, request_id=new_id("gen"))
                 continue
             except OmniflowError as exc:
                 self._report(picked, started, False, exc.code_name)
@@ -246,6 +261,8 @@ class GatewayCore:
                 self._report(picked, started, True)
                 raise
             self._report(picked, started, True)
+            for chunk in held:
+                yield chunk
             return
 
     async def prepick(self, prep: Prepared, n: int) -> None:
@@ -279,13 +296,16 @@ class GatewayCore:
     def _report(self, picked: Picked, started: float, ok: bool, code: str = "") -> None:
         self.backends.report(picked.worker_id, ok, (time.perf_counter() - started) * 1e3, code)
 
-    async def merged(self, preps: list[Prepared], n: int) -> AsyncIterator[tuple[int, GenChunk]]:
+    async def merged(
+        self, preps: list[Prepared], n: int, whole: bool = False
+    ) -> AsyncIterator[tuple[int, GenChunk]]:
         """Every choice of every prompt, interleaved as they stream: (choice index, chunk).
 
-        Choice indexes run prompt by prompt: prompt p's choice j is ``p * n + j``.
+        Choice indexes run prompt by prompt: prompt p's choice j is ``p * n + j``. With
+        ``whole`` (a non-streamed answer), each choice comes once it ended (see generate).
         """
         if len(preps) == 1 and n == 1:  # the common case: no tasks, no queue
-            async with aclosing(self.generate(preps[0], 0)) as stream:
+            async with aclosing(self.generate(preps[0], 0, whole)) as stream:
                 async for chunk in stream:
                     yield 0, chunk
             return
@@ -293,7 +313,7 @@ class GatewayCore:
 
         async def pump(index: int, prep: Prepared, j: int) -> None:
             try:
-                async with aclosing(self.generate(prep, j)) as stream:
+                async with aclosing(self.generate(prep, j, whole)) as stream:
                     async for chunk in stream:
                         queue.put_nowait((index, chunk))
                 queue.put_nowait((index, None))

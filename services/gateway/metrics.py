@@ -53,3 +53,18 @@ AUDIO_SECONDS = Counter(
     "Seconds of speech sent in answers (chat audio output and audio/speech)",
     ["route"],
 )
+FAILOVERS = Counter(
+    "omniflow_gateway_failovers_total",
+    "Calls moved to another replica (or retried) after one did not answer, by service",
+    ["service"],
+)
+RETRIES = Counter(
+    "omniflow_gateway_worker_retries_total",
+    "Generations started again on another worker after one failed, by when",
+    ["when"],
+)
+REFUSED = Counter(
+    "omniflow_gateway_tenant_refusals_total",
+    "Requests refused because their tenant was past a fair-share limit, by limit",
+    ["limit"],
+)

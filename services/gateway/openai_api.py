@@ -211,7 +211,7 @@ class OpenAIRoutes:
         tally = Tally("chat", arrived)
         texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
         lps: dict[int, list[TokenLogprob]] = {i: [] for i in range(req.n)}
-        async with aclosing(self.core.merged([prep], req.n)) as stream:
+        async with aclosing(self.core.merged([prep], req.n, whole=True)) as stream:
             async for i, chunk in stream:
                 tally.saw(i, chunk)
                 texts[i].append(chunk.text)
@@ -322,7 +322,7 @@ class OpenAIRoutes:
         async def collect() -> Completion:
             tally = Tally("completions", arrived)
             chunks: dict[int, list[GenChunk]] = {i: [] for i in range(count)}
-            async with aclosing(self.core.merged(preps, req.n)) as stream:
+            async with aclosing(self.core.merged(preps, req.n, whole=True)) as stream:
                 async for i, c in stream:
                     tally.saw(i, c)
                     chunks[i].append(c)

@@ -58,16 +58,39 @@ _GETTER = _MetadataGetter()
 _tracer = telemetry.tracer
 
 
+class ServingGate:
+    """Whether a server's methods serve yet. The bootstrap binds and serves health before
+    the app has started (a model loading), and closes this gate meanwhile: every call is
+    refused with UNAVAILABLE, which callers fail over on, instead of reaching an app that
+    is not ready (the health service is not behind it: it says NOT_SERVING)."""
+
+    __slots__ = ("name", "open")
+
+    def __init__(self, name: str = "", open: bool = True) -> None:
+        self.name, self.open = name, open
+
+    def refusal(self, short: str) -> errors.Unavailable:
+        who = self.name or "this service"
+        return errors.Unavailable(f"{short}: {who} is not SERVING (starting or stopping); retry")
+
+
 class WrappingServer:
     """What a service's ``add_*Servicer_to_server`` sees instead of the real server.
 
     Each method handler is wrapped once, at registration, with tracing, metrics, the
     deadline context and the error table. Measured here, this costs a third of what a
     ``grpc.aio.ServerInterceptor`` does per call (no extra coroutine hop per RPC).
+    With a ``gate``, calls are refused (UNAVAILABLE) while it is closed.
     """
 
-    def __init__(self, server: grpc.aio.Server, security: Security | None = None) -> None:
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        security: Security | None = None,
+        gate: ServingGate | None = None,
+    ) -> None:
         self._server = server
+        self._gate = gate
         self._pending: list[grpc.GenericRpcHandler] = []
         # With auth off the handlers are wrapped without any check (no cost per call).
         self._security = security if security is not None and security.auth_on else None
@@ -82,7 +105,8 @@ class WrappingServer:
     ) -> None:
         sec = self._security
         wrapped = {
-            name: _wrap_handler(h, f"/{service}/{name}", sec) for name, h in handlers.items()
+            name: _wrap_handler(h, f"/{service}/{name}", sec, self._gate)
+            for name, h in handlers.items()
         }
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, wrapped),)
@@ -129,31 +153,34 @@ class _Guard:
 
 
 def _wrap_handler(
-    handler: grpc.RpcMethodHandler, method: str, security: Security | None = None
+    handler: grpc.RpcMethodHandler,
+    method: str,
+    security: Security | None = None,
+    gate: ServingGate | None = None,
 ) -> grpc.RpcMethodHandler:
     short = method.rsplit("/", 1)[-1]
     parse = _tolerant(handler.request_deserializer)
     guard = _Guard(security, method) if security is not None else None
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(
-            _wrap_unary(handler.unary_unary, method, short, False, guard),
+            _wrap_unary(handler.unary_unary, method, short, False, guard, gate),
             parse,
             handler.response_serializer,
         )
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(
-            _wrap_unary(handler.stream_unary, method, short, True, guard),
+            _wrap_unary(handler.stream_unary, method, short, True, guard, gate),
             parse,
             handler.response_serializer,
         )
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
-            _wrap_stream(handler.unary_stream, method, short, False, guard),
+            _wrap_stream(handler.unary_stream, method, short, False, guard, gate),
             parse,
             handler.response_serializer,
         )
     return grpc.stream_stream_rpc_method_handler(
-        _wrap_stream(handler.stream_stream, method, short, True, guard),
+        _wrap_stream(handler.stream_stream, method, short, True, guard, gate),
         parse,
         handler.response_serializer,
     )
@@ -290,6 +317,7 @@ def _wrap_unary(
     short: str,
     streamed: bool,
     guard: _Guard | None = None,
+    gate: ServingGate | None = None,
 ) -> Callable[..., Any]:
     stats = _MethodStats(method)
 
@@ -298,6 +326,8 @@ def _wrap_unary(
         metadata = context.invocation_metadata() or ()
         span, token, dl_token = _enter(context, method, metadata)
         try:
+            if gate is not None and not gate.open:
+                raise gate.refusal(short)
             if guard is not None:
                 guard.check(context, metadata)
             if streamed:
@@ -322,10 +352,11 @@ def _wrap_stream(
     short: str,
     streamed: bool,
     guard: _Guard | None = None,
+    gate: ServingGate | None = None,
 ) -> Callable[..., Any]:
     if not inspect.isasyncgenfunction(behavior):
         # A handler that writes with context.write() is a plain coroutine.
-        return _wrap_unary(behavior, method, short, streamed, guard)
+        return _wrap_unary(behavior, method, short, streamed, guard, gate)
 
     stats = _MethodStats(method)
 
@@ -334,6 +365,8 @@ def _wrap_stream(
         metadata = context.invocation_metadata() or ()
         span, token, dl_token = _enter(context, method, metadata)
         try:
+            if gate is not None and not gate.open:
+                raise gate.refusal(short)
             if guard is not None:
                 guard.check(context, metadata)
             if streamed:

@@ -1,7 +1,10 @@
 """Server bootstrap shared by every service.
 
 Start: bind → serve health (NOT_SERVING) and reflection → ``app.start`` (dependencies
-answer: Redis pinged, model loaded) → register in discovery → SERVING.
+answer: Redis pinged, model loaded) → register in discovery → SERVING. Until SERVING,
+every call of the app's own methods is refused with UNAVAILABLE (``ServingGate``): a
+worker restarted on its old port, whose model is still loading, sends its callers to
+another worker rather than answering as if it were ready.
 Stop (SIGTERM/SIGINT): NOT_SERVING → deregister → ``server.stop(grace)`` → ``app.stop``
 (close clients) → close discovery → flush traces.
 """
@@ -28,7 +31,7 @@ from omniflow.config import CommonSettings, settings_from_argv
 from omniflow.discovery import Registry, ServiceInstance, make_registry
 from omniflow.logsetup import setup_logging
 from omniflow.rpc.client import MAX_MESSAGE_BYTES
-from omniflow.rpc.interceptors import WrappingServer
+from omniflow.rpc.interceptors import ServingGate, WrappingServer
 from omniflow.security.transport import Security, state
 
 log = logging.getLogger(__name__)
@@ -113,6 +116,7 @@ class ServiceHost:
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
         )
         self.health = HealthServicer()
+        self.gate = ServingGate(app.name, open=False)  # opened once SERVING
         self.address = ""
         self.port = 0
         self.metrics_port: int | None = None
@@ -128,7 +132,7 @@ class ServiceHost:
         """Bind, start serving (NOT_SERVING), start the app, register, turn SERVING."""
         s = self.settings
         sec = self.security
-        wrapping = WrappingServer(self.server, sec)
+        wrapping = WrappingServer(self.server, sec, self.gate)
         self._service_names = self.app.add_servicers(wrapping)  # type: ignore[arg-type]
         wrapping.finish()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -157,6 +161,7 @@ class ServiceHost:
             Runtime(s, self.address, instance_id, node, self.registry, self.register)
         )
         await self.register()
+        self.gate.open = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if s.ready_file:
             _write_ready(Path(s.ready_file), self.instance, self.metrics_port)
@@ -175,6 +180,7 @@ class ServiceHost:
 
     async def stop(self) -> None:
         """NOT_SERVING → deregister → stop with grace → app.stop → close discovery."""
+        self.gate.open = False  # new calls go elsewhere; those in flight finish
         await self.health.enter_graceful_shutdown()
         if self.instance is not None:
             try:

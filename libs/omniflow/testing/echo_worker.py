@@ -4,7 +4,8 @@ examples while the real engines are not in a worker.
 ``python -m omniflow.testing.echo_worker`` registers in discovery like a worker (role,
 node, operations) and serves:
 
-- ``Generate``: streams ``"echo: <prompt>"`` word by word (``max_tokens`` words at most),
+- ``Generate``: streams ``"echo: <prompt>"`` word by word (``max_tokens`` words at most;
+  a prompt of token ids is echoed as its numbers),
   one word per step of a fake continuous-batching engine (``echo_engine``): prompt bytes
   are tokens, a step costs a fixed time plus a time per request in decode plus a time
   per prompt token computed, concurrent requests share the steps, and a finite LRU
@@ -104,7 +105,8 @@ class EchoServicer(worker_pb2_grpc.WorkerServiceServicer):
         core.running += 1
         req = None
         try:
-            prompt = request.text
+            # Token ids (what the gateway sends) are echoed as numbers: answers stay checkable.
+            prompt = request.text or " ".join(map(str, request.token_ids.ids))
             data = prompt.encode()
             hashes = block_hashes(ECHO_LAYOUT.namespace, list(data), ECHO_LAYOUT.page_size)
             words = f"echo: {prompt}".split(" ")
