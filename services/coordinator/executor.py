@@ -502,7 +502,8 @@ class Executor:
         # A producer that failed closes its stream too; its failure cancels this task.
         await scope.resolve(cpb.Source(node_output=src.node_output))
         names = {k for r in results for k in r}
-        return {k: join([r[k] for r in results if k in r]) for k in names}
+        spaced = phrases is not None  # one answer per phrase
+        return {k: join([r[k] for r in results if k in r], spaced) for k in names}
 
     async def _switch(
         self, scope: _Scope, node: cpb.Node, path: str, values: dict[str, Any]

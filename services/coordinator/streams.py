@@ -105,11 +105,18 @@ def join_wavs(files: list[bytes]) -> bytes:
     return buf.getvalue()
 
 
-def join(values: list[Any]) -> Any:
+def join(values: list[Any], spaced: bool = False) -> Any:
     """The outputs of a streaming consumer's calls as one: text and bytes concatenated (WAV
-    files as one WAV), lists extended, other values the last one."""
+    files as one WAV), lists extended, other values the last one. ``spaced``: the texts are
+    whole answers (one per phrase), so two that meet with no whitespace get a space."""
     if values and all(isinstance(v, str) for v in values):
-        return "".join(values)
+        if not spaced:
+            return "".join(values)
+        out = ""
+        for v in values:
+            gap = out and v and not out[-1].isspace() and not v[0].isspace()
+            out += (" " if gap else "") + v
+        return out
     if len(values) > 1 and all(_is_wav(v) for v in values):
         try:
             return join_wavs(values)

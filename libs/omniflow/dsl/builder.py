@@ -20,7 +20,7 @@ from typing import Any
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.convert import strategy_value
-from omniflow.dsl.ops import signature
+from omniflow.dsl.ops import PHRASE_INPUT_CHARS, signature
 from omniflow.dsl.validate import validate_graph
 from omniflow.errors import InvalidArgument
 from omniflow.values import VType, from_python, type_of
@@ -61,7 +61,9 @@ class Ref:
 
         ``phrase_chars`` > 0 (a text output): the consumer gets whole phrases instead, each
         up to a sentence or phrase boundary or at most that many characters (a talker
-        speaks each phrase while the llm writes the next)."""
+        speaks each phrase while the llm writes the next). An llm's ``prompt`` always
+        gets phrases (at most ``ops.PHRASE_INPUT_CHARS`` when none is given): an llm
+        called once per token would answer every word on its own."""
         if self.source.WhichOneof("kind") != "node_output":
             raise InvalidArgument("only a node output can be streamed")
         if phrase_chars < 0 or phrase_chars > 100_000:
@@ -228,6 +230,10 @@ class Graph:
         )
         node.call.role, node.call.operation = role, operation
         node.call.session_key_input = session_key
+        for key in sig.phrased & inputs.keys():
+            src = node.inputs[key]
+            if src.streaming and not src.phrase_chars:
+                src.phrase_chars = PHRASE_INPUT_CHARS  # see OpSignature.phrased
         if strategy:
             node.call.strategy = strategy_value(strategy)
         node.input_ports.extend(_ports(sig.inputs, sig.optional))
