@@ -85,6 +85,12 @@ class KVAgentSettings(CommonSettings):
         ("grpc", "nixl"),
         "agent-to-agent channels to offer (nixl only where it imports)",
     )
+    nixl_devices: str = setting(
+        "OMNIFLOW_KV_NIXL_DEVICES",
+        "",
+        "network devices NIXL's UCX listens and sends on (UCX_NET_DEVICES, e.g. eth1 or "
+        "mlx5_0:1); empty: the interface holding OMNIFLOW_HOST (lo on 127.0.0.1); all: every one",
+    )
     tensor_bytes: int = setting(
         "OMNIFLOW_KV_TENSOR_BYTES", 256 * 1024 * 1024, "budget of held tensors", minimum=0
     )

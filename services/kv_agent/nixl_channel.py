@@ -11,19 +11,33 @@ workers' event fds and wakes when there is work (or every ``PROGRESS_WAKEUP_US``
 safety net). The nixl Python wrapper hard-codes the poll timeout to 0, which makes that
 thread spin a whole core at idle; ``_agent_with_wakeup`` builds the agent with a timeout.
 A puller's own transfers also progress while it polls their state.
+
+UCX listens on every interface by default (its TCP transport on each address). The agent
+limits it to the devices the node's setting names (``OMNIFLOW_KV_NIXL_DEVICES``, as
+``UCX_NET_DEVICES``), by default the interface that holds the agent's bind address
+(``OMNIFLOW_HOST``; ``lo`` on 127.0.0.1): the data plane is reachable only where the gRPC
+server is. UCX itself authenticates no peer; what a puller needs to READ (the NIXL
+metadata, the arena address, pinned slots) is handed out only over the agents' mutual-TLS
+gRPC calls to another agent (docs/security.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import ipaddress
 import logging
+import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
-from omniflow.errors import DeadlineExceeded, Unavailable
+from omniflow.errors import DeadlineExceeded, InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +53,58 @@ def nixl_unavailable_reason() -> str | None:
     except Exception as exc:  # ImportError, or a missing native library
         return f"nixl is not usable: {exc}"
     return None
+
+
+_SIOCGIFADDR = 0x8915
+_ANY = ("", "0.0.0.0", "::", "[::]")
+
+
+def _ipv4_of(ifname: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15]))
+        except OSError:  # no IPv4 address on it
+            return None
+    return socket.inet_ntoa(raw[20:24])
+
+
+def _ipv6_of() -> dict[str, str]:
+    out: dict[str, str] = {}
+    try:
+        lines = Path("/proc/net/if_inet6").read_text().split("\n")
+    except OSError:
+        return out
+    for line in lines:
+        f = line.split()
+        if len(f) == 6:
+            out[str(ipaddress.IPv6Address(bytes.fromhex(f[0])))] = f[5]
+    return out
+
+
+def ucx_devices(setting: str, bind_host: str) -> str | None:
+    """``UCX_NET_DEVICES`` for the agent: ``setting`` when given (``all``: None, UCX's
+    default of every device), else the interface holding ``bind_host`` (None when it binds
+    every address). InvalidArgument when no interface holds it."""
+    if setting == "all":
+        return None
+    if setting:
+        return setting
+    if bind_host in _ANY:
+        return None
+    try:
+        addr = ipaddress.ip_address(bind_host.strip("[]"))
+    except ValueError:
+        addr = ipaddress.ip_address(socket.gethostbyname(bind_host))
+    if addr.version == 6:
+        found = _ipv6_of().get(str(addr))
+    else:
+        found = next((n for _, n in socket.if_nameindex() if _ipv4_of(n) == str(addr)), None)
+    if found is None:
+        raise InvalidArgument(
+            f"no network interface holds {bind_host} (OMNIFLOW_HOST); set "
+            "OMNIFLOW_KV_NIXL_DEVICES to the devices NIXL may use, or 'all'"
+        )
+    return found
 
 
 def _agent_with_wakeup(name: str, delay_us: int = PROGRESS_WAKEUP_US) -> Any:
@@ -73,10 +139,27 @@ def _agent_with_wakeup(name: str, delay_us: int = PROGRESS_WAKEUP_US) -> Any:
 class NixlChannel:
     """One NIXL agent (UCX backend) for this process."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, devices: str | None = None) -> None:
+        """``devices``: UCX_NET_DEVICES for this agent (None: UCX's default, every one)."""
         self.name = name
+        self.devices = devices
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="nixl")
-        self._agent: Any = _agent_with_wakeup(name)
+        with _CONFIG_LOCK:
+            # UCX reads its configuration from the environment when the agent is made.
+            before = os.environ.get("UCX_NET_DEVICES")
+            if devices is None:
+                os.environ.pop("UCX_NET_DEVICES", None)
+            else:
+                os.environ["UCX_NET_DEVICES"] = devices
+        try:
+            self._agent: Any = _agent_with_wakeup(name)
+        finally:
+            with _CONFIG_LOCK:
+                if before is None:
+                    os.environ.pop("UCX_NET_DEVICES", None)
+                else:
+                    os.environ["UCX_NET_DEVICES"] = before
+        log.info("nixl %s: UCX devices %s", name, devices or "all")
         self._registered: list[Any] = []
         self._remotes: dict[str, bytes] = {}  # remote agent name → metadata it was added with
 

@@ -42,7 +42,11 @@ from omniflow.rpc.context import failed_call
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow_services.kv_agent import metrics
 from omniflow_services.kv_agent.config import KVAgentSettings
-from omniflow_services.kv_agent.nixl_channel import NixlChannel, nixl_unavailable_reason
+from omniflow_services.kv_agent.nixl_channel import (
+    NixlChannel,
+    nixl_unavailable_reason,
+    ucx_devices,
+)
 from omniflow_services.kv_agent.pools import PagePool, Pools, safe_name
 from omniflow_services.kv_agent.tensors import TensorStore
 from omniflow_services.kv_agent.transfer import Counters, PageReceiver, Puller
@@ -435,7 +439,8 @@ class KVAgentApp(ServiceApp):
             reason = nixl_unavailable_reason()
             if reason is None:
                 name = f"{safe_name(runtime.instance_id)}-{uuid.uuid4().hex[:8]}"
-                self.nixl = await asyncio.to_thread(NixlChannel, name)
+                devices = ucx_devices(s.nixl_devices, s.host)
+                self.nixl = await asyncio.to_thread(NixlChannel, name, devices)
             else:
                 log.info("NIXL channel off: %s", reason)
         self._pools = Pools(

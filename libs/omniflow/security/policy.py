@@ -66,6 +66,9 @@ OWNERS = _rule(("worker", "kv-agent"), ("admin",))
 NODE_WORKERS = _rule(local=("worker",))
 #: Pages leave a node only agent to agent (pulls).
 PAGE_READERS = _rule(("kv-agent",), local=("worker",))
+#: A NIXL pull's grant, asked over mutual TLS by the pulling agent: the arena's address, the
+#: pinned slots and their release; the UCX READ that follows authenticates nobody itself.
+NIXL_GRANT = PAGE_READERS
 
 _KVINDEX = "omniflow.api.kvindex.v1.KVIndexService"
 _KVAGENT = "omniflow.api.kvagent.v1.KVAgentService"
@@ -92,13 +95,13 @@ _TABLE: dict[str, dict[str, Rule]] = {
         "GetNamespace": SERVICES,
     },
     _KVAGENT: {
-        "GetArena": NODE_WORKERS,
+        "GetArena": NIXL_GRANT,
         "PutPages": NODE_WORKERS,
         # Other agents pull pages across nodes; workers read their own node's.
         "GetPages": PAGE_READERS,
-        "LocatePages": NODE_WORKERS,
+        "LocatePages": NIXL_GRANT,
         "CommitPages": NODE_WORKERS,
-        "Unpin": NODE_WORKERS,
+        "Unpin": NIXL_GRANT,
         "PullPages": NODE_WORKERS,
         "FetchPages": NODE_WORKERS,
         "Evict": NODE_WORKERS,
