@@ -35,6 +35,7 @@ from omniflow_services.gateway.core import GatewayCore, new_id
 from omniflow_services.gateway.errors import APIError, from_domain
 from omniflow_services.gateway.openai_api import OpenAIRoutes
 from omniflow_services.gateway.protocol import error_body
+from omniflow_services.gateway.utility_api import ROUTE_LABELS, add_routes
 
 OPEN_PATHS = ("/health", "/metrics")  # no API key, no in-flight bound
 ROUTES = {
@@ -45,6 +46,7 @@ ROUTES = {
     "/v1/audio/speech": "speech",
     "/health": "health",
     "/metrics": "metrics",
+    **ROUTE_LABELS,
 }
 
 
@@ -186,7 +188,9 @@ def _bearer(headers: dict[bytes, bytes]) -> bytes:
 
 def build_app(settings: GatewaySettings, core: GatewayCore, serving: Callable[[], bool]) -> ASGIApp:
     """The ASGI app: routes, one error shape, wrapped in the guard."""
-    app = FastAPI(title="Omni-Flow gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="Omni-Flow gateway", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json"
+    )
     api = OpenAIRoutes(settings, core)
 
     @app.exception_handler(APIError)
@@ -235,6 +239,7 @@ def build_app(settings: GatewaySettings, core: GatewayCore, serving: Callable[[]
         ("/v1/audio/speech", api.speech),
     ):
         app.add_api_route(path, handler, methods=["POST"])
+    add_routes(app, core)  # embeddings, audio to text, tokenize, version, OpenAPI
 
     return Guard(app, settings)
 

@@ -361,6 +361,19 @@ class Backends:
             rpc.cancel()
         return wav or wav_bytes(bytes(pcm), rate)
 
+    async def invoke(
+        self, address: str, request_id: str, operation: str, inputs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A worker's ``Invoke`` of ``operation`` (embed, transcribe): Python values in and
+        out (``omniflow.values``)."""
+        msg = worker_pb2.InvokeRequest(
+            request_id=request_id,
+            operation=operation,
+            inputs={k: from_python(v, f"input {k!r}") for k, v in inputs.items()},
+        )
+        reply = await self._worker(address).Invoke(msg, timeout=self.settings.request_timeout_s)
+        return {k: to_python(v) for k, v in reply.outputs.items()}
+
     # ------------------------------------------------------------ coordinator
 
     async def workflows(self) -> list[str]:

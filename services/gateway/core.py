@@ -43,7 +43,7 @@ DEFAULT_PAGE_SIZE = 16
 INLINE_CHARS = 1024  # prompts up to this many characters are tokenized on the loop
 MAX_ATTEMPTS = 3  # tries of one generation on workers that fail before its end
 T = TypeVar("T")
-SERVED_ROLES = ("llm", "diffusion", "talker")
+SERVED_ROLES = ("llm", "diffusion", "talker", "embed")
 
 
 def new_id(prefix: str) -> str:
@@ -55,6 +55,11 @@ def served_name(worker: WorkerRecord) -> str:
     """The model name a worker serves: its registered folder's last component."""
     model = worker.metadata.get("served_model", "") or worker.model
     return Path(model).name if "/" in model else model
+
+
+def transcribe_name(worker: WorkerRecord) -> str:
+    """The model name an encoder's Whisper serves transcriptions as ("" without one)."""
+    return Path(worker.metadata.get("transcribe_model", "")).name
 
 
 def has_capability(worker: WorkerRecord, name: str) -> bool:
@@ -105,6 +110,8 @@ class GatewayCore:
         for w in await self.backends.workers():
             if w.role in SERVED_ROLES and w.model:
                 seen.setdefault(served_name(w), f"omniflow:{w.role}")
+            if w.role == "encoder" and w.metadata.get("transcribe_model"):
+                seen.setdefault(transcribe_name(w), "omniflow:encoder")
         try:
             for name in await self.backends.workflows():
                 seen.setdefault(WORKFLOW_PREFIX + name, "omniflow:workflow")
@@ -377,6 +384,28 @@ class GatewayCore:
             raise
         self._report(picked, started, True)
         return wav
+
+    async def invoke(
+        self,
+        model: str,
+        role: str,
+        operation: str,
+        inputs: dict[str, Any],
+        workers: list[WorkerRecord] | None = None,
+    ) -> dict[str, Any]:
+        """``operation`` of a ``role`` worker serving ``model`` (embed, transcribe), through
+        ``Invoke``; the router picks among ``workers`` (default: those of ``model``)."""
+        workers = workers or await self.workers_for(model, role)
+        exclude = await self._exclude(role, workers)
+        picked = await _served(model, self.backends.pick(role, operation, exclude=exclude))
+        started = time.perf_counter()
+        try:
+            out = await self.backends.invoke(picked.address, new_id(role), operation, inputs)
+        except OmniflowError as exc:
+            self._report(picked, started, False, exc.code_name)
+            raise
+        self._report(picked, started, True)
+        return out
 
     async def workflow_info(self, name: str) -> WorkflowInfo:
         """The registered graph of workflow ``name`` (its ports, outputs and call nodes)."""

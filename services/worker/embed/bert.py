@@ -117,6 +117,9 @@ class BertEncoder:
         self.max_len = max_seq_length(folder, self.pos.shape[0])
         self.pooling = read_pooling(folder)
         self.dim = self.hidden * len(self.pooling.modes)
+        # Trained for shortened vectors (vLLM reads the same two config keys).
+        self.matryoshka_dimensions = tuple(int(d) for d in c.get("matryoshka_dimensions") or ())
+        self.matryoshka = bool(self.matryoshka_dimensions) or bool(c.get("is_matryoshka"))
         self.device = self.word.device
 
     def _ln(self, x: torch.Tensor, p: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:

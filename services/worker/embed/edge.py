@@ -4,7 +4,9 @@
 token id lists), and optionally ``dimensions``; outputs ``embeddings`` (the vectors as
 float32 little-endian bytes, ``count`` rows of ``dim``), ``dim``, ``count`` and
 ``prompt_tokens``. Bytes, not a list of floats: 384 floats as protobuf Values would be ten
-times the size.
+times the size. ``dimensions`` is served as vLLM serves it: only by a model trained for
+shortened vectors (``matryoshka_dimensions`` or ``is_matryoshka`` in its config.json), whose
+vectors are cut to that many and normalised again; any other model refuses it.
 """
 
 from __future__ import annotations
@@ -49,16 +51,13 @@ async def invoke_embed(
 ) -> worker_pb2.InvokeResponse:
     """Serve ``embed`` (the one operation of ``EMBED_OPERATIONS``)."""
     texts, ids = _inputs(request)
-    if "dimensions" in request.inputs:
-        dims = to_python(request.inputs["dimensions"])
-        if dims != role.dim:
-            raise InvalidArgument(
-                f"dimensions={dims}: model {role.folder.name!r} does not support matryoshka "
-                f"representation; it gives {role.dim} dimensions only (leave dimensions unset)"
-            )
+    dims = to_python(request.inputs["dimensions"]) if "dimensions" in request.inputs else None
+    if dims is not None:
+        role.check_dimensions(dims)
     done = await (role.embed_texts(texts) if texts is not None else role.embed_ids(ids or []))
-    data = np.ascontiguousarray(done.vectors.numpy(), dtype="<f4").tobytes()
-    count, dim = done.vectors.shape
+    vectors = done.vectors if dims is None else role.shorten(done.vectors, dims)
+    data = np.ascontiguousarray(vectors.numpy(), dtype="<f4").tobytes()
+    count, dim = vectors.shape
     return worker_pb2.InvokeResponse(
         outputs={
             "embeddings": common_pb2.Value(bytes_value=data),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from omniflow.errors import InvalidArgument
 from omniflow_services.worker.embed.bert import BertEncoder
@@ -77,6 +78,29 @@ class EmbedRole:
     @property
     def dim(self) -> int:
         return self.model.dim
+
+    def check_dimensions(self, dims: int) -> None:
+        """InvalidArgument unless the model serves vectors of ``dims`` (vLLM's rules)."""
+        name = self.folder.name
+        if not self.model.matryoshka:
+            raise InvalidArgument(
+                f"Model {name!r} does not support Matryoshka embeddings; dimensions must be "
+                f"unset (received dimensions={dims})."
+            )
+        if not 1 <= dims <= self.dim:
+            raise InvalidArgument(
+                f"Model {name!r} only supports dimensions in range [1, {self.dim}], got {dims}."
+            )
+        allowed = self.model.matryoshka_dimensions
+        if allowed and dims not in allowed:
+            raise InvalidArgument(
+                f"Model {name!r} only supports Matryoshka dimensions {list(allowed)}, got {dims}."
+            )
+
+    def shorten(self, vectors: torch.Tensor, dims: int) -> torch.Tensor:
+        """The first ``dims`` components, normalised again when the model normalises."""
+        cut = vectors[:, :dims]
+        return F.normalize(cut, p=2, dim=1) if self.model.pooling.normalize else cut
 
     def close(self) -> None:
         with self._cv:
