@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omniflow.config import CommonSettings, peer_address, setting
+from omniflow.chat.tools import parse_tool_formats
+from omniflow.config import CommonSettings, SettingsError, peer_address, setting
 
 # "router": leave the choice to the router's default for the role.
 LLM_STRATEGIES = (
@@ -95,3 +96,16 @@ class GatewaySettings(CommonSettings):
         "how long a discovery listing of workers and workflows is reused",
         minimum=0,
     )
+    tool_formats: str = setting(
+        "OMNIFLOW_GATEWAY_TOOL_FORMATS",
+        "*=hermes",
+        "tool calling per model, `model=format` pairs (`*`: every other model): `hermes` (the "
+        "template's own tools, else the hermes tool prompt; calls parsed from `<tool_call>` "
+        "tags) or `none` (tools refused); docs/gateway.md",
+    )
+
+    def __post_init__(self) -> None:
+        try:
+            parse_tool_formats(self.tool_formats)
+        except ValueError as exc:
+            raise SettingsError(f"OMNIFLOW_GATEWAY_TOOL_FORMATS: {exc}") from None

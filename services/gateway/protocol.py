@@ -1,8 +1,7 @@
 """The OpenAI request and response shapes the gateway serves (pydantic models).
 
-Requests forbid unknown fields: a field the gateway does not implement (``tools``,
-``logit_bias``, ``response_format: json_schema`` ...) is a 400 that names it, never
-silently ignored. Responses follow OpenAI's objects field for field.
+Requests forbid unknown fields: a field the gateway does not implement is a 400 that names
+it, never silently ignored. Responses follow OpenAI's objects field for field.
 """
 
 from __future__ import annotations
@@ -57,10 +56,48 @@ class AudioRef(_Request):
     id: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Request):
+    """A call an earlier assistant turn made (sent back in the history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     audio: AudioRef | None = None  # assistant messages only
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages: the call answered
+    refusal: str | None = None  # an assistant message sent back as the SDK returned it
+
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class AudioOutput(_Request):
@@ -75,8 +112,32 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Request):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
-    type: Literal["text"]
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs``: exactly one of its constraints."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(_Request):
@@ -100,6 +161,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioOutput | None = None
 
@@ -110,6 +178,8 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
     best_of: int | None = Field(None, ge=1, le=1)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ImageRequest(_Request):
@@ -175,10 +245,37 @@ class ChatCompletionAudio(_Response):
     transcript: str
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     audio: ChatCompletionAudio | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class DeltaFunction(_SetFieldsOnly):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_SetFieldsOnly):
+    """A piece of a streamed call: its first carries id, type and name; later ones more of
+    its arguments (the ``openai`` SDK joins them by ``index``)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
 
 
 class DeltaAudio(_SetFieldsOnly):
@@ -197,6 +294,7 @@ class Delta(_SetFieldsOnly):
     role: Literal["assistant"] | None = None
     content: str | None = None
     audio: DeltaAudio | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class _Choice(_Response):
