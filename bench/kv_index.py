@@ -1,118 +1,194 @@
-"""Benchmark of the KV index core on a private redis-server.
+"""Benchmark of the KV index core on one Redis and on a Redis Cluster, and of the router's Pick.
 
-MatchPrefix p50/p99 on a 2,048-block chain held by 8 owners, against one Redis PING round
-trip through the same client; event ingest (block events/s) against a pipelined SET loop
-through the same client. Run: ``python bench/kv_index.py``.
+For each backend (a private redis-server; three local cluster-enabled redis-servers), each
+index size (blocks held in total) and each owner count: every owner holds its own chain of
+size/owners blocks (mixed tiers); MatchPrefix p50/p99 of a random owner's chain (up to
+``--match-blocks`` long) beside one PING through the same client; block events/s ingested
+in batches beside a pipelined SET loop through the same client; memory per block (Redis's
+used_memory before and after the owners' snapshots, summed over the cluster's masters).
+Then the router's kv_aware Pick (its core, ``WorkerTable.pick``) with 256 and 1,024
+registered workers and the index's answer for 16 of them.
+
+    python bench/kv_index.py                                   # the issue's table (long)
+    python bench/kv_index.py --sizes 2000 --owners 4 --iters 20 --events 2000   # smoke
+
+The sizes are what Redis holds here: 10^7 blocks need several GB of memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import re
-import shutil
+import random
 import statistics
-import subprocess
 import tempfile
 import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind, Tier
-from omniflow.kv.index_store import KVIndex, OwnerInfo
-from omniflow.localredis import start_redis
+from omniflow.kv.index_store import KVIndex, OwnerInfo, OwnerMatch
+from omniflow.localredis import redis_client, start_redis
+from omniflow.testing.redis_cluster import local_cluster, missing_reason
+from omniflow.workers import WorkerRecord
+from omniflow_services.router.core import WorkerTable
 
-
-def redis_benchmark_set(port: int, n: int, pipeline: int) -> float | None:
-    """SET requests/s by redis-benchmark (C client), or None when it is not installed."""
-    exe = shutil.which("redis-benchmark")
-    if exe is None:
-        return None
-    cmd = [exe, "-p", str(port), "-t", "set", "-n", str(n), "-P", str(pipeline), "-q"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
-    found = re.search(r"SET: ([\d.]+) requests per second", out)
-    return float(found.group(1)) if found else None
+LAYOUT = KVLayout("bench/model", 16, 8, 64, "bfloat16", 16)
 
 
 def pct(samples: list[float], q: float) -> float:
     return sorted(samples)[min(len(samples) - 1, int(q * len(samples)))]
 
 
-async def run(blocks: int, owners: int, iters: int, events: int, batch: int) -> None:
-    with tempfile.TemporaryDirectory() as tmp, start_redis(dir=Path(tmp)) as server:
-        client = aioredis.Redis.from_url(server.url)
-        idx = KVIndex(client)
-        await idx.start()
-        ns = await idx.register_namespace(KVLayout("bench/model", 16, 8, 64, "bfloat16", 16))
-        chain = block_hashes(ns, list(range(16 * blocks)), 16)
-        for i in range(owners):
-            lease = await idx.register_owner(OwnerInfo(f"owner-{i}", "node", "addr"))
-            # Owner i holds the whole chain, with a mix of tiers.
-            entries = [BlockEntry(ns, h, Tier((i + j) % 3)) for j, h in enumerate(chain)]
-            await idx.snapshot(lease.owner_id, lease.epoch, entries)
-        match, ping = [], []
-        for _ in range(iters):
-            t = time.perf_counter()
-            res = await idx.match_prefix(ns, chain)
-            match.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            await client.ping()
-            ping.append(time.perf_counter() - t)
-        assert res.longest_prefix == blocks and len(res.owners) == owners
+@asynccontextmanager
+async def backend(kind: str, tmp: Path) -> AsyncIterator[tuple[Any, Callable[[], int]]]:
+    """A client of ``kind`` (single or cluster) and a function giving used memory."""
+    if kind == "single":
+        with start_redis(dir=tmp / "single") as server:
+            client = aioredis.Redis.from_url(server.url)
+            import redis as sync_redis
 
-        hashes = block_hashes(ns, list(range(16 * events)), 16)
-        lease = await idx.register_owner(OwnerInfo("ingest", "node", "addr"))
-        epoch = (await idx.snapshot("ingest", lease.epoch, [])).epoch
-        batches = [
-            [BlockEvent(EventKind.STORED, ns, h, Tier.HOST) for h in hashes[i : i + batch]]
-            for i in range(0, len(hashes), batch)
-        ]
-        t = time.perf_counter()
-        for seq, evs in enumerate(batches, 1):
-            assert (await idx.apply_events("ingest", epoch, seq, evs)).ok
-        ingest = events / (time.perf_counter() - t)
-        t = time.perf_counter()
-        for i in range(0, events, batch):
-            pipe = client.pipeline(transaction=False)
-            for j in range(i, min(events, i + batch)):
-                pipe.set(hashes[j], b"1")
-            await pipe.execute()
-        set_rate = events / (time.perf_counter() - t)
-        await client.aclose()
-        # The literal `redis-benchmark -t set` (50 clients, no pipelining), and pipelined.
-        bench_plain = redis_benchmark_set(server.port, events, 1)
-        bench_piped = redis_benchmark_set(server.port, events, batch)
+            sync = sync_redis.Redis(port=server.port, password=server.password or None)
+            try:
+                yield client, lambda: int(sync.info("memory")["used_memory"])
+            finally:
+                await client.aclose()
+    else:
+        with local_cluster(tmp / "cluster") as cluster:
+            client = redis_client(cluster.url, 10.0, decode_responses=False)
+            try:
+                yield client, cluster.used_memory
+            finally:
+                await client.aclose()
 
-    rows = [
-        ("MatchPrefix p50 (ms)", statistics.median(match) * 1e3, statistics.median(ping) * 1e3),
-        ("MatchPrefix p99 (ms)", pct(match, 0.99) * 1e3, pct(ping, 0.99) * 1e3),
-        ("event ingest (events/s)", ingest, set_rate),
-    ]
-    print(
-        f"kv index: {blocks}-block chain, {owners} owners, {iters} matches; "
-        f"{events} events in batches of {batch}"
-    )
-    print(f"{'metric':<26}{'omniflow':>14}{'reference':>14}{'ratio':>9}   reference")
-    refs = ["PING", "PING", "pipelined SET, same client"]
-    for rate, ref in ((bench_plain, "redis-benchmark -t set"), (bench_piped, f"... -P {batch}")):
-        if rate:
-            rows.append(("event ingest (events/s)", ingest, rate))
-            refs.append(ref)
-    for (name, ours, ref), refname in zip(rows, refs, strict=True):
-        print(f"{name:<26}{ours:>14.3f}{ref:>14.3f}{ours / ref:>9.2f}   {refname}")
+
+async def one_case(
+    client: Any, memory: Callable[[], int], size: int, owners: int, a: argparse.Namespace
+) -> dict[str, float]:
+    idx = KVIndex(client, prefix=f"b{uuid.uuid4().hex[:6]}:")
+    await idx.start()
+    ns = await idx.register_namespace(LAYOUT)
+    per = max(1, size // owners)
+    before = memory()
+    chains: list[list[bytes]] = []
+    for i in range(owners):
+        chain = block_hashes(ns, [i * 1_000_003 + t for t in range(16 * per)], 16)
+        lease = await idx.register_owner(OwnerInfo(f"owner-{i}", f"node-{i % 8}", f"a{i}:1"))
+        for start in range(0, per, 65_536):  # snapshots in chunks keep each script short
+            entries = [BlockEntry(ns, h, Tier((i + j) % 3)) for j, h in
+                       enumerate(chain[start : start + 65_536], start)]  # fmt: skip
+            if start == 0:
+                await idx.snapshot(lease.owner_id, lease.epoch, entries)
+            else:
+                seq = start // 65_536
+                evs = [BlockEvent(EventKind.STORED, e.namespace, e.block_hash, e.tier)
+                       for e in entries]  # fmt: skip
+                assert (await idx.apply_events(lease.owner_id, lease.epoch, seq, evs)).ok
+        chains.append(chain[: a.match_blocks])
+    mem_per_block = (memory() - before) / (per * owners)
+    rng = random.Random(1)
+    match, ping = [], []
+    for _ in range(a.iters):
+        chain = chains[rng.randrange(owners)]
+        t = time.perf_counter()
+        res = await idx.match_prefix(ns, chain)
+        match.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        await client.ping()
+        ping.append(time.perf_counter() - t)
+        assert res.longest_prefix == len(chain), (res.longest_prefix, len(chain))
+    hashes = block_hashes(ns, list(range(10**9, 10**9 + 16 * a.events)), 16)
+    lease = await idx.register_owner(OwnerInfo("ingest", "node", "addr"))
+    epoch = (await idx.snapshot("ingest", lease.epoch, [])).epoch
+    t = time.perf_counter()
+    for seq, i in enumerate(range(0, a.events, a.batch), 1):
+        evs = [BlockEvent(EventKind.STORED, ns, h, Tier.HOST) for h in hashes[i : i + a.batch]]
+        assert (await idx.apply_events("ingest", epoch, seq, evs)).ok
+    ingest = a.events / (time.perf_counter() - t)
+    t = time.perf_counter()
+    tag = idx._p  # the SETs land in the index's own slot, as the scripts' writes do
+    for i in range(0, a.events, a.batch):
+        pipe = client.pipeline(transaction=False)
+        for j in range(i, min(a.events, i + a.batch)):
+            pipe.set(tag + b"x:" + hashes[j], b"1")
+        await pipe.execute()
+    set_rate = a.events / (time.perf_counter() - t)
+    return {
+        "match_p50_ms": statistics.median(match) * 1e3,
+        "match_p99_ms": pct(match, 0.99) * 1e3,
+        "ping_p50_ms": statistics.median(ping) * 1e3,
+        "events_s": ingest,
+        "set_s": set_rate,
+        "bytes_per_block": mem_per_block,
+    }
+
+
+def pick_latency(workers: int, iters: int) -> tuple[float, float]:
+    """p50/p99 (ms) of a kv_aware Pick with ``workers`` registered, 16 of them reachable."""
+    table = WorkerTable(seed=1)
+    table.replace(
+        WorkerRecord(f"w{i}", "llm", f"127.0.0.1:{10000 + i}", node=f"node{i % 64}",
+                     operations=("generate",))
+        for i in range(workers)
+    )  # fmt: skip
+    rng = random.Random(2)
+    reach = [
+        OwnerMatch(f"w{rng.randrange(workers)}", "", "", "worker", (m := rng.randrange(1, 128)),
+                   (m, 0, 0))
+        for _ in range(16)
+    ]  # fmt: skip
+    samples = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        table.pick("llm", "kv_aware", reach=reach, prompt_blocks=128)
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e3, pct(samples, 0.99) * 1e3
+
+
+async def run(a: argparse.Namespace) -> None:
+    print(f"kv index: chains up to {a.match_blocks} blocks, {a.iters} matches per case, "
+          f"{a.events} events in batches of {a.batch}")  # fmt: skip
+    head = (f"{'redis':<8}{'blocks':>10}{'owners':>8}{'match p50':>11}{'p99':>8}{'PING p50':>10}"
+            f"{'events/s':>11}{'SET/s':>10}{'ratio':>7}{'B/block':>9}")  # fmt: skip
+    print(head)
+    for kind in a.redis.split(","):
+        if kind == "cluster" and (reason := missing_reason()):
+            print(f"{kind:<8}skipped: {reason}")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            async with backend(kind, Path(tmp)) as (client, memory):
+                for size in (int(s) for s in a.sizes.split(",")):
+                    for owners in (int(o) for o in a.owners.split(",")):
+                        r = await one_case(client, memory, size, owners, a)
+                        ratio = r["events_s"] / r["set_s"]
+                        print(f"{kind:<8}{size:>10}{owners:>8}{r['match_p50_ms']:>11.3f}"
+                              f"{r['match_p99_ms']:>8.3f}{r['ping_p50_ms']:>10.3f}"
+                              f"{r['events_s']:>11.0f}{r['set_s']:>10.0f}"
+                              f"{ratio:>7.2f}{r['bytes_per_block']:>9.0f}")  # fmt: skip
+    print(f"\n{'router Pick (kv_aware)':<26}{'p50 ms':>9}{'p99 ms':>9}")
+    for n in (int(w) for w in a.pick_workers.split(",")):
+        p50, p99 = pick_latency(n, a.pick_iters)
+        print(f"{f'{n} workers':<26}{p50:>9.3f}{p99:>9.3f}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--blocks", type=int, default=2048)
-    ap.add_argument("--owners", type=int, default=8)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--redis", default="single,cluster", help="backends: single, cluster")
+    ap.add_argument("--sizes", default="100000,1000000,10000000", help="blocks held in total")
+    ap.add_argument("--owners", default="16,256,1024")
+    ap.add_argument("--match-blocks", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=300)
-    ap.add_argument("--events", type=int, default=200_000)
+    ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=1000)
-    a = ap.parse_args()
-    asyncio.run(run(a.blocks, a.owners, a.iters, a.events, a.batch))
+    ap.add_argument("--pick-workers", default="256,1024")
+    ap.add_argument("--pick-iters", type=int, default=2000)
+    asyncio.run(run(ap.parse_args()))
 
 
 if __name__ == "__main__":

@@ -6,10 +6,6 @@ the one node that owns it, so that no script crossed slots (Redis would have ref
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,8 +16,7 @@ import test_kv_index as single  # the single-Redis suite beside this file
 
 from omniflow.kv.index_store import KVIndex
 from omniflow.localredis import redis_client
-
-REDIS_CLI = shutil.which("redis-cli")
+from omniflow.testing.redis_cluster import local_cluster, missing_reason
 
 # The single-Redis suite's tests, run here with this module's `index` fixture. The one
 # that restarts its own Redis is single-Redis by nature.
@@ -30,72 +25,14 @@ for _name, _fn in vars(single).items():
         globals()[_name] = _fn
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> Iterator[list[int]]:
-    """Three master nodes covering the 16384 slots; stopped by PID and removed at the end."""
-    if REDIS_CLI is None:
-        pytest.skip("needs redis-cli (the redis-tools package) to create the cluster")
-    root = tmp_path_factory.mktemp("redis-cluster")
-    ports = [_free_port() for _ in range(3)]
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for port in ports:
-            d = root / str(port)
-            d.mkdir()
-            procs.append(
-                subprocess.Popen(
-                    [str(redis_binary), "--port", str(port), "--bind", "127.0.0.1",
-                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "2000", "--save", "", "--appendonly", "no",
-                     "--dir", str(d)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )
-            )  # fmt: skip
-        for port in ports:
-            _wait_ping(port)
-        subprocess.run(
-            [REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-             "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while not all(_info(p).get("cluster_state") == "ok" for p in ports):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the cluster did not reach cluster_state:ok: {_info(ports[0])}")
-            time.sleep(0.2)
-        yield ports
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_ping(port: int) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis(port=port, socket_timeout=1).ping()
-            return
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
-def _info(port: int) -> dict[str, str]:
-    info = redis.Redis(port=port, socket_timeout=2, decode_responses=True).cluster("info")
-    return {str(k): str(v) for k, v in info.items()}
+    """Three master nodes covering the 16384 slots; stopped by PID at the end."""
+    reason = missing_reason(str(redis_binary))
+    if reason:
+        pytest.skip(reason)
+    with local_cluster(tmp_path_factory.mktemp("redis-cluster"), 3, str(redis_binary)) as c:
+        yield list(c.ports)
 
 
 @pytest.fixture
