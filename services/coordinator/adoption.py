@@ -1,5 +1,10 @@
 """Adoption of orphaned runs: a coordinator claims the active runs of one that died and
-resumes (once) or fails them; see the ``runs`` module docstring. No gRPC here."""
+resumes (once) or fails them; see the ``runs`` module docstring. No gRPC here.
+
+A resumed run first waits (up to ``RunManager.adopt_wait_s``) until every role its graph
+calls is served by a healthy worker: after ``omniflow up`` on a run folder whose processes
+all died, the coordinator starts before the workers, and a run resumed at once would fail
+on its first call."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from omniflow import telemetry
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.errors import OmniflowError
 from omniflow_services.coordinator import metrics
+from omniflow_services.coordinator.limits import call_roles
 from omniflow_services.coordinator.live import LiveRun, now_ms
 
 if TYPE_CHECKING:
@@ -118,10 +124,33 @@ async def _resume(m: RunManager, run_id: str, owner: str) -> bool:
     span.set_attribute("omniflow.run_id", run_id)
     log.warning("run %s of coordinator %s: resumed from its inputs", run_id, owner)
     with trace.use_span(span, end_on_exit=False):
-        live.task = asyncio.create_task(
-            m._execute(live, graph, values, graph.default_deadline_ms, span, {})
-        )
+        live.task = asyncio.create_task(_when_served(m, live, graph, values, span))
     return True
+
+
+async def _when_served(
+    m: RunManager, live: LiveRun, graph: cpb.WorkflowGraph, values: dict[str, Any], span: Any
+) -> None:
+    """Execute an adopted run once the roles it calls are served (or the wait is over: then
+    it runs anyway, and its calls fail over or fail with their own reasons)."""
+    needed = call_roles(list(graph.nodes))
+    loop = asyncio.get_running_loop()
+    end = loop.time() + m.adopt_wait_s
+    delay = 0.2
+    while m.roles_served is not None and needed:
+        try:
+            missing = needed - await m.roles_served()
+        except OmniflowError as exc:
+            missing = {f"(no answer: {exc})"}
+        if not missing:
+            break
+        if loop.time() + delay > end:
+            log.warning("run %s: resumed although %s not served after %.0f s", live.run.run_id,
+                        ", ".join(sorted(missing)), m.adopt_wait_s)  # fmt: skip
+            break
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 2.0)
+    await m._execute(live, graph, values, graph.default_deadline_ms, span, {})
 
 
 async def _fail(m: RunManager, run_id: str, owner: str) -> None:

@@ -49,6 +49,26 @@ class CoordinatorSettings(CommonSettings):
         "largest serialized workflow graph",
         minimum=1,
     )
+    tenant_max_runs: int = setting(
+        "OMNIFLOW_COORDINATOR_TENANT_MAX_RUNS",
+        64,
+        "runs in progress at once of one tenant (fair share of OMNIFLOW_COORDINATOR_MAX_RUNS); "
+        "more get RESOURCE_EXHAUSTED naming this limit; 0: no limit per tenant",
+        minimum=0,
+    )
+    max_run_deadline_ms: int = setting(
+        "OMNIFLOW_COORDINATOR_MAX_RUN_DEADLINE_MS",
+        3_600_000,
+        "the longest deadline of a run, whatever the client or the workflow asks; a run "
+        "that asks none gets this one; 0: no cap",
+        minimum=0,
+    )
+    max_retry_backoff_ms: int = setting(
+        "OMNIFLOW_COORDINATOR_MAX_RETRY_BACKOFF_MS",
+        30_000,
+        "the longest wait between two attempts of a node call, whatever its retry policy says",
+        minimum=0,
+    )
     record_retry_s: float = setting(
         "OMNIFLOW_COORDINATOR_RECORD_RETRY_S",
         5.0,

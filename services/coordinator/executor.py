@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -244,12 +245,17 @@ class Executor:
         limits: NodeLimits,
         deadline: float | None = None,
         early: dict[str, PickAhead] | None = None,
+        max_backoff_s: float = 30.0,
     ) -> None:
         self.caller, self.sink, self.run_id = caller, sink, run_id
         self.limits = limits
         self.early = early or {}  # picks made before the run started (``pick_entries``)
         self.deadline = deadline  # loop time
+        self.max_backoff_s = max_backoff_s  # whatever a node's retry policy asks
         self._seq = 0
+        # Node-call request ids carry randomness made here: a run id is the client's
+        # choice, and a worker's Abort must not be aimed at calls by guessing their ids.
+        self._nonce = secrets.token_hex(8)
 
     async def run(
         self,
@@ -405,7 +411,7 @@ class Executor:
             for attempt in range(1, attempts + 1):
                 self._seq += 1
                 req = CallRequest(
-                    request_id=f"{self.run_id}:{path}:{attempt}:{self._seq}",
+                    request_id=f"{self.run_id}:{self._nonce}:{path}:{attempt}:{self._seq}",
                     role=spec.role,
                     operation=spec.operation,
                     inputs=values,
@@ -462,8 +468,8 @@ class Executor:
                 log.info(
                     "run %s node %s attempt %d%s: %s", self.run_id, path, attempt, where, error
                 )
-                await asyncio.sleep(backoff)
-                backoff *= node.retry.backoff_multiplier or 1.0
+                await asyncio.sleep(min(backoff, self.max_backoff_s))
+                backoff = min(backoff * (node.retry.backoff_multiplier or 1.0), self.max_backoff_s)
         raise AssertionError("unreachable")
 
     async def _call_streaming(

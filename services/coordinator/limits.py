@@ -6,6 +6,7 @@ that raises it. No gRPC here.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -23,6 +24,26 @@ class RunLimits:
     max_graph_nodes: int = 1024
     max_graph_depth: int = 16
     max_graph_bytes: int = 1024 * 1024
+    #: Fair share: runs in progress of one tenant (0: no limit of its own); the deadline
+    #: every run gets at most (and when it asks none); the longest retry backoff.
+    tenant_max_runs: int = 64
+    max_run_deadline_ms: int = 3_600_000
+    max_retry_backoff_ms: int = 30_000
+
+
+#: A run id a client chooses: letters, digits, ``-``, ``_`` and ``.``, at most 128. No ``:``,
+#: so that no run's id names another run's Redis keys (``X:events``).
+RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def check_run_id(run_id: str) -> None:
+    """InvalidArgument for a client-chosen run id outside ``RUN_ID``."""
+    if not RUN_ID.fullmatch(run_id):
+        shown = run_id if len(run_id) <= 64 else run_id[:64] + "..."
+        raise InvalidArgument(
+            f"run id {shown!r} ({len(run_id)} characters) is not accepted: use 1 to 128 "
+            "letters, digits, '-', '_' or '.' (or leave it empty for one made here)"
+        )
 
 
 def _over(what: str, seen: int, limit: int, setting: str) -> InvalidArgument:
@@ -78,6 +99,18 @@ def graph_shape(nodes: list[cpb.Node]) -> tuple[int, int]:
         for node in level:
             stack.extend((list(body.nodes), d + 1) for body in _bodies(node))
     return count, depth
+
+
+def call_roles(nodes: list[cpb.Node]) -> set[str]:
+    """Every worker role the call nodes of ``nodes`` (bodies included) call."""
+    roles: set[str] = set()
+    stack = [nodes]
+    while stack:
+        for node in stack.pop():
+            if node.WhichOneof("kind") == "call" and node.call.role:
+                roles.add(node.call.role)
+            stack.extend(list(body.nodes) for body in _bodies(node))
+    return roles
 
 
 def check_graph(limits: RunLimits, graph: cpb.WorkflowGraph) -> None:

@@ -32,6 +32,7 @@ class LiveRun:
         self.registered: asyncio.Future[Any] | None = None  # the write of the active entry
         self.cancel_reason = ""
         self.nodes: dict[str, cpb.NodeState] = {}
+        self.tenant = ""  # whose share of the runs in progress it takes ("" : none)
 
     def event(self, **event: Any) -> cpb.RunEvent:
         """The next event (not yet visible to listeners: see ``publish``)."""

@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -53,6 +53,7 @@ from omniflow.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from omniflow.security import policy
 from omniflow.values import VType, check_type, from_python, to_python
 from omniflow_services.coordinator import adoption, metrics
 from omniflow_services.coordinator.adoption import ACTIVE_KEY, lease_key, run_key
@@ -69,7 +70,7 @@ from omniflow_services.coordinator.executor import (
     NodeLimits,
     current_trace_id,
 )
-from omniflow_services.coordinator.limits import RunLimits, check_inputs_size
+from omniflow_services.coordinator.limits import RunLimits, check_inputs_size, check_run_id
 from omniflow_services.coordinator.live import LiveRun, now_ms
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class RunManager:
         record_retry_s: float = 5.0,
         limits: RunLimits | None = None,
         resume_orphans: bool = True,
+        roles_served: Callable[[], Awaitable[set[str]]] | None = None,
+        adopt_wait_s: float = 120.0,
     ) -> None:
         self.redis, self.caller, self.owner_id = redis, caller, owner_id
         self.catalogue = WorkflowCatalogue(redis, limits)
@@ -122,8 +125,11 @@ class RunManager:
         self.flush_interval_s, self.lease_ttl_s = flush_interval_s, lease_ttl_s
         self.record_retry_s = record_retry_s
         self.resume_orphans = resume_orphans
+        #: The roles some healthy worker serves now (an adopted run waits for its own).
+        self.roles_served, self.adopt_wait_s = roles_served, adopt_wait_s
         self.bounds = limits or RunLimits(max_inline_bytes=max_inline_bytes)
         self.live: dict[str, LiveRun] = {}
+        self.tenant_runs: dict[str, int] = {}  # tenant -> its runs in self.live
         # Runs reported failed because their final record could not be written; the
         # flush loop writes them once Redis answers (GetRun answers from here meanwhile).
         self.unrecorded: dict[str, tuple[LiveRun, cpb.RunEvent]] = {}
@@ -252,12 +258,23 @@ class RunManager:
         deadline_ms: int = 0,
         run_id: str = "",
     ) -> str:
-        """Start a run; returns its id at once. RESOURCE_EXHAUSTED when at the limit."""
+        """Start a run; returns its id at once. RESOURCE_EXHAUSTED when at the limit (of
+        every run, or of the caller's tenant)."""
+        if run_id:
+            check_run_id(run_id)
         if run_id and (run_id in self.live or await self._known(run_id)):
             return run_id  # idempotent resubmission (a client failing over resubmits)
         if len(self.live) >= self.max_runs:
             raise ResourceExhausted(
-                f"{len(self.live)} runs in progress, the limit is {self.max_runs}; retry later"
+                f"{len(self.live)} runs in progress, the limit is {self.max_runs} "
+                "(OMNIFLOW_COORDINATOR_MAX_RUNS); retry later"
+            )
+        tenant = self._tenant()
+        share = self.bounds.tenant_max_runs
+        if tenant and share and self.tenant_runs.get(tenant, 0) >= share:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {self.tenant_runs[tenant]} runs in progress, its limit "
+                f"is {share} (OMNIFLOW_COORDINATOR_TENANT_MAX_RUNS); retry when one finishes"
             )
         span = telemetry.tracer().start_span(f"run {workflow}")
         early: dict[str, PickAhead] = {}
@@ -282,6 +299,8 @@ class RunManager:
                     span.end()
                     return run_id  # the same id submitted twice at once
                 live = self._start(graph, inputs, values, deadline_ms, run_id, span, early)
+                live.tenant = tenant
+                self.tenant_runs[tenant] = self.tenant_runs.get(tenant, 0) + 1
         except BaseException as exc:
             self._release(early)
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
@@ -295,6 +314,22 @@ class RunManager:
             live.task.cancel()
             raise Unavailable(f"run {run_id} not started: Redis does not answer ({exc})") from exc
         return run_id
+
+    @staticmethod
+    def _tenant() -> str:
+        """The caller's tenant, when the policy enforces one ("" : no share of its own)."""
+        who = policy.current()
+        return who.tenant if who.enforced else ""
+
+    def _untrack(self, live: LiveRun) -> None:
+        self.live.pop(live.run.run_id, None)
+        if live.tenant:
+            left = self.tenant_runs.get(live.tenant, 0) - 1
+            if left > 0:
+                self.tenant_runs[live.tenant] = left
+            else:
+                self.tenant_runs.pop(live.tenant, None)
+            live.tenant = ""
 
     async def _known(self, run_id: str) -> bool:
         """Whether Redis knows the run: its record, or its active entry (a run whose
@@ -363,9 +398,20 @@ class RunManager:
         early: dict[str, PickAhead],
     ) -> None:
         loop = asyncio.get_running_loop()
+        cap = self.bounds.max_run_deadline_ms  # no run holds a slot for ever
+        if cap:
+            deadline_ms = min(deadline_ms, cap) if deadline_ms else cap
         deadline = loop.time() + deadline_ms / 1000 if deadline_ms else None
         limits = self.limits.setdefault(f"{graph.name}:{graph.version}", NodeLimits())
-        executor = Executor(self.caller, live, live.run.run_id, limits, deadline, early)
+        executor = Executor(
+            self.caller,
+            live,
+            live.run.run_id,
+            limits,
+            deadline,
+            early,
+            max_backoff_s=self.bounds.max_retry_backoff_ms / 1000,
+        )
         state, error, outputs = cpb.RUN_STATE_SUCCEEDED, "", {}
         try:
             async with asyncio.timeout_at(deadline):
@@ -413,7 +459,7 @@ class RunManager:
             span.end()
             metrics.run_finished(state)
             live.publish(finished, at_once=True)
-            self.live.pop(run.run_id, None)
+            self._untrack(live)
 
     def _unrecordable(self, live: LiveRun, exc: Exception) -> cpb.RunEvent:
         """The run's end when its record cannot be written: FAILED with an UNAVAILABLE

@@ -19,7 +19,7 @@ from omniflow_services.coordinator.caller import GrpcWorkerCaller
 from omniflow_services.coordinator.catalogue import WorkflowCatalogue
 from omniflow_services.coordinator.config import CoordinatorSettings
 from omniflow_services.coordinator.kvhints import KVHinter
-from omniflow_services.coordinator.limits import RunLimits
+from omniflow_services.coordinator.limits import RunLimits, check_run_id
 from omniflow_services.coordinator.routers import RouterPool
 from omniflow_services.coordinator.runs import RunManager
 
@@ -89,6 +89,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def _claim(self, request: coordinator_pb2.SubmitRunRequest) -> str:
         """The run's id, owned by the caller's tenant (auth on); its workflow visible to it."""
+        if request.run_id:
+            check_run_id(request.run_id)  # before anything is written under it
         tenancy = self.app.tenancy()
         await tenancy.check_workflow(request.workflow)
         return await tenancy.claim_run(request.run_id)
@@ -184,7 +186,11 @@ class CoordinatorApp(ServiceApp):
                 max_graph_nodes=s.max_graph_nodes,
                 max_graph_depth=s.max_graph_depth,
                 max_graph_bytes=s.max_graph_bytes,
+                tenant_max_runs=s.tenant_max_runs,
+                max_run_deadline_ms=s.max_run_deadline_ms,
+                max_retry_backoff_ms=s.max_retry_backoff_ms,
             ),
+            roles_served=self._roles_served,
         )
         await self._runs.start()
 
@@ -195,6 +201,15 @@ class CoordinatorApp(ServiceApp):
     async def _workers(self) -> list[WorkerRecord]:
         assert self.runtime is not None
         return [worker_from_instance(i) for i in await self.runtime.registry.list(WORKER_SERVICE)]
+
+    async def _roles_served(self) -> set[str]:
+        """The roles a healthy worker serves now, as the router sees them (its health checks
+        say whether a worker answers, which a discovery entry alone does not)."""
+        stub = await self._router_stub()
+        reply = await stub.ListWorkers(
+            router_pb2.ListWorkersRequest(), timeout=self.settings.pick_timeout_s
+        )
+        return {w.role for w in reply.workers if w.healthy}
 
     async def _router_stub(self) -> router_pb2_grpc.RouterServiceStub:
         assert self._routers is not None, "started"

@@ -46,9 +46,21 @@ STRATEGIES = (
 # Credit per reachable block by where it sits (the cost model).
 CREDIT_DEVICE, CREDIT_HOST, CREDIT_SSD = 1.0, 0.75, 0.25
 VNODES = 64
-# Codes that say nothing about a worker's health (the caller's fault, or a cancel).
+# Codes that say nothing about a worker's health (the caller's fault, or a cancel): a
+# client sending an unknown operation or a call it may not make must not open the
+# breakers of healthy workers.
 NEUTRAL_CODES = frozenset(
-    {"INVALID_ARGUMENT", "NOT_FOUND", "CANCELLED", "FAILED_PRECONDITION", "ALREADY_EXISTS"}
+    {
+        "INVALID_ARGUMENT",
+        "NOT_FOUND",
+        "CANCELLED",
+        "FAILED_PRECONDITION",
+        "ALREADY_EXISTS",
+        "UNIMPLEMENTED",
+        "PERMISSION_DENIED",
+        "UNAUTHENTICATED",
+        "OUT_OF_RANGE",
+    }
 )
 
 

@@ -29,6 +29,7 @@ from omniflow.kv.index_store import OwnerMatch
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel, remaining_s
 from omniflow.rpc.server import Runtime, ServiceApp
+from omniflow.security.tenancy import scoped_id
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
 from omniflow_services.router import metrics
 from omniflow_services.router.config import RouterSettings
@@ -128,7 +129,8 @@ class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def __init__(self, app: RouterApp) -> None:
         self.app = app
-        self._requests: dict[str, str] = {}  # request id → worker address (for Abort)
+        # The caller's request id (scoped to its tenant) → worker address, for Abort.
+        self._requests: dict[str, str] = {}
 
     async def _target(
         self, method: str, context: grpc.aio.ServicerContext, exclude: tuple[str, ...], session: str
@@ -182,6 +184,7 @@ class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
             stub = worker_pb2_grpc.WorkerServiceStub(self.app.channel(pick.worker.address))
             rid = getattr(request, "request_id", "")
             if rid:
+                rid = scoped_id(rid)
                 self._requests[rid] = pick.worker.address
             sent = False
             try:
@@ -238,7 +241,7 @@ class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.AbortResponse:
-        address = self._requests.get(request.request_id)
+        address = self._requests.get(scoped_id(request.request_id))
         if address is None:
             return worker_pb2.AbortResponse(found=False)
         stub = worker_pb2_grpc.WorkerServiceStub(self.app.channel(address))

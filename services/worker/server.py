@@ -112,7 +112,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             params = replace(params, logprobs=True)
         if request.prefill_only:
             params = SamplingParams(max_tokens=1, temperature=0.0)
-        rid = llm.request_id(request.request_id)
+        shown, rid = llm.request_id(request.request_id)  # rid: scoped to the caller
         if has_media(request):
             req, hashes = await self.app.mm.generate_request(llm, request, rid, params)
             ids, stream = req.prompt_token_ids, llm.engine.generate(req)
@@ -122,7 +122,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # Closing this generator (client gone, deadline) closes the engine stream: aborted.
         async for out in metrics.timed(stream):
             reply = worker_pb2.GenerateResponse(
-                request_id=rid, token_ids=out.new_token_ids, text=out.text_delta
+                request_id=shown, token_ids=out.new_token_ids, text=out.text_delta
             )
             if out.logprobs is not None:
                 reply.logprobs.extend(out.logprobs)
@@ -204,7 +204,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.AbortResponse:
         llm = self.app.core.require_llm()
-        return worker_pb2.AbortResponse(found=llm.engine.abort(request.request_id))
+        return worker_pb2.AbortResponse(found=llm.abort(request.request_id))
 
     async def Invoke(
         self, request: worker_pb2.InvokeRequest, context: grpc.aio.ServicerContext

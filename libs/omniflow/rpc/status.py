@@ -72,11 +72,17 @@ def status_of(exc: errors.OmniflowError) -> grpc.StatusCode:
 
 
 # Failures of a dependency that say "not now", not "a bug": Redis refusing connections,
-# timing out or still loading its AOF (BusyLoadingError is a ConnectionError).
+# timing out or still loading its AOF (BusyLoadingError is a ConnectionError), or a
+# replica that takes no writes (READONLY: a failover in progress).
 _UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     redis_exc.ConnectionError,
     redis_exc.TimeoutError,
+    redis_exc.ReadOnlyError,
 )
+# Redis error replies that mean "this server cannot take writes now", not a bad command:
+# MISCONF (its last RDB/AOF write failed, e.g. a full disk), MASTERDOWN (a replica cut off
+# from its primary), NOREPLICAS (fewer replicas than min-replicas-to-write).
+_UNAVAILABLE_REPLIES = ("MISCONF", "MASTERDOWN", "NOREPLICAS", "READONLY")
 
 
 def domain_error(exc: BaseException) -> errors.OmniflowError | None:
@@ -84,8 +90,12 @@ def domain_error(exc: BaseException) -> errors.OmniflowError | None:
     (Redis down → Unavailable), or None for anything else (a bug → INTERNAL)."""
     if isinstance(exc, errors.OmniflowError):
         return exc
+    if isinstance(exc, NotImplementedError):  # a generated servicer's method not written
+        return errors.Unimplemented(f"this method is not implemented here ({exc})")
     if isinstance(exc, _UNAVAILABLE_ERRORS):
         return errors.Unavailable(f"Redis does not answer ({type(exc).__name__}: {exc}); retry")
+    if isinstance(exc, redis_exc.ResponseError) and str(exc).startswith(_UNAVAILABLE_REPLIES):
+        return errors.Unavailable(f"Redis refuses writes now ({exc}); retry")
     return None
 
 

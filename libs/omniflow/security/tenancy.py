@@ -25,6 +25,15 @@ WORKFLOW_KEY = "omniflow:tenant:workflow:{}"
 RUN_OWNER_TTL_S = 7 * 24 * 3600
 
 
+def scoped_id(request_id: str) -> str:
+    """``request_id`` as the caller's own: prefixed with the length and name of the caller's
+    tenant, so that the same id sent by two tenants names two requests, and no id one
+    tenant can send names another's (an Abort of another tenant's request finds nothing).
+    With auth off every caller is the one tenant ""."""
+    tenant = policy.current().tenant
+    return f"{len(tenant)}:{tenant}/{request_id}"
+
+
 def _text(raw: bytes | str | None) -> str | None:
     if raw is None:
         return None

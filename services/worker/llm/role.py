@@ -20,6 +20,7 @@ from omniflow.chat import Preprocessor
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import block_hashes
 from omniflow.security.kvsalt import salted_extra_keys
+from omniflow.security.tenancy import scoped_id
 from omniflow_services.worker.engine import (
     Engine,
     EngineConfig,
@@ -85,9 +86,16 @@ class LLMRole:
         layout = self.engine.layout
         return block_hashes(layout.namespace, ids, layout.page_size, salted_extra_keys(None))
 
-    def request_id(self, given: str) -> str:
-        # Unguessable: anyone who can call Abort must not be able to name others' requests.
-        return given or f"gen-{secrets.token_hex(16)}"
+    def request_id(self, given: str) -> tuple[str, str]:
+        """(the id the caller sees, the engine's id): ``given`` or an unguessable one, and
+        that id scoped to the caller's tenant, so that an Abort names the caller's own
+        request only (``abort``)."""
+        shown = given or f"gen-{secrets.token_hex(16)}"
+        return shown, scoped_id(shown)
+
+    def abort(self, given: str) -> bool:
+        """Abort the caller's own request ``given`` (another tenant's is not found)."""
+        return self.engine.abort(scoped_id(given))
 
     def generate(
         self, request_id: str, ids: list[int], params: SamplingParams
