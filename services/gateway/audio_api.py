@@ -169,8 +169,9 @@ class AudioRoutes:
         if out is None:
             return Response(status_code=499)
         duration = float(out.get("duration", 0.0))
-        metrics.AUDIO_SECONDS.labels("transcriptions").inc(duration)
-        metrics.E2E.labels("transcriptions").observe(time.perf_counter() - arrived)
+        route = "transcriptions" if task == "transcribe" else "translations"
+        metrics.AUDIO_INPUT_SECONDS.labels(route).inc(duration)
+        metrics.E2E.labels(route).observe(time.perf_counter() - arrived)
         text = str(out["text"])
         usage = DurationUsage(seconds=math.ceil(duration))
         segments: list[dict[str, Any]] = [dict(s) for s in out.get("segments") or []]

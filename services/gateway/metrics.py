@@ -53,6 +53,11 @@ AUDIO_SECONDS = Counter(
     "Seconds of speech sent in answers (chat audio output and audio/speech)",
     ["route"],
 )
+AUDIO_INPUT_SECONDS = Counter(
+    "omniflow_gateway_audio_input_seconds_total",
+    "Seconds of audio heard (audio transcriptions and translations)",
+    ["route"],
+)
 FAILOVERS = Counter(
     "omniflow_gateway_failovers_total",
     "Calls moved to another replica (or retried) after one did not answer, by service",

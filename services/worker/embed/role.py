@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.errors import InvalidArgument
+from omniflow_services.worker.embed import metrics
 from omniflow_services.worker.embed.bert import BertEncoder
 
 log = logging.getLogger(__name__)
@@ -177,7 +179,12 @@ class EmbedRole:
                 part = todo[start:end]
                 start = end
                 try:
+                    began = time.perf_counter()
                     out = self.model.embed([j.ids[r] for j, r in part])
+                    metrics.FORWARD.observe(time.perf_counter() - began)
+                    metrics.BATCH.observe(len(part))
+                    metrics.EMBEDDED.inc(len(part))
+                    metrics.TOKENS.inc(sum(len(j.ids[r]) for j, r in part))
                 except Exception as exc:  # a failed forward fails its requests, not the thread
                     log.exception("embedding forward failed")
                     for j in {id(j): j for j, _ in part}.values():
