@@ -162,7 +162,17 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``SamplingError`` (an ``InvalidArgument``) naming the first bad field and its
         accepted range. Token ids are checked against ``vocab_size`` when it is given."""
-        _int_range("max_tokens", self.max_tokens, 1, MAX_WIRE_TOKENS, none_ok=True)
+        m = self.max_tokens
+        if m is not None and not isinstance(m, bool) and isinstance(m, int):
+            if m < 1:
+                raise SamplingError("max_tokens", f"max_tokens must be >= 1, got {m}")
+            if m > MAX_WIRE_TOKENS:
+                raise SamplingError(
+                    "max_tokens",
+                    f"max_tokens is too large: {m} (the context length bounds it; no model "
+                    f"here takes more than {MAX_WIRE_TOKENS})",
+                )
+        _int_range("max_tokens", m, 1, MAX_WIRE_TOKENS, none_ok=True)
         _num_range("temperature", self.temperature, 0.0, 100.0)
         top = vocab_size if vocab_size is not None else MAX_WIRE_TOKENS
         _int_range("top_k", self.top_k, 0, top, note=" (0 disables it)")
@@ -239,6 +249,14 @@ class SamplingParams:
             )
         return self
 
+    def with_eos(self, eos_token_ids: tuple[int, ...] | list[int]) -> SamplingParams:
+        """These params with the model's EOS ids among the stop ids, unless ``ignore_eos``
+        (vLLM adds generation_config's ``eos_token_id`` so: every one of them stops)."""
+        if self.ignore_eos or not eos_token_ids:
+            return self
+        ids = tuple(dict.fromkeys((*self.stop_token_ids, *eos_token_ids)))
+        return replace(self, stop_token_ids=ids)
+
     # ------------------------------------------------------------ building
 
     @classmethod
@@ -277,8 +295,17 @@ class SamplingParams:
         for name in _BOOL_FIELDS:
             if name in given and not isinstance(given[name], bool):
                 raise SamplingError(name, f"{name} must be true or false, got {given[name]!r}")
-        if "structured" in given and not isinstance(given["structured"], StructuredOutput):
-            raise SamplingError("structured", "structured must be a StructuredOutput")
+        structured = given.get("structured")
+        if isinstance(structured, Mapping):  # JSON: {"kind": ..., "spec": ...}
+            extra = set(structured) - {"kind", "spec"}
+            kind, spec = structured.get("kind"), structured.get("spec", "")
+            if extra or not isinstance(kind, str) or not isinstance(spec, str):
+                raise SamplingError(
+                    "structured", "structured takes {kind: string, spec: string} only"
+                )
+            given["structured"] = StructuredOutput(kind, spec)
+        elif structured is not None and not isinstance(structured, StructuredOutput):
+            raise SamplingError("structured", "structured must be {kind, spec}")
         params = cls(**given)
         params.validate()
         return params

@@ -31,9 +31,6 @@ class WorkerSettings(CommonSettings):
     max_seqs: int = setting(
         "OMNIFLOW_WORKER_MAX_SEQS", 64, "requests batched in one engine step", minimum=1
     )
-    default_max_tokens: int = setting(
-        "OMNIFLOW_WORKER_DEFAULT_MAX_TOKENS", 64, "max_tokens when a request sets 0", minimum=1
-    )
     max_prompt_bytes: int = setting(
         "OMNIFLOW_WORKER_MAX_PROMPT_BYTES",
         1 << 20,

@@ -30,26 +30,6 @@ from omniflow_services.worker.mm.edge import MultimodalEdge, has_media
 log = logging.getLogger(__name__)
 
 
-def sampling_params(p: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
-    """Proto sampling → engine sampling; proto zeros mean "off" / "default"."""
-    return SamplingParams(
-        max_tokens=p.max_tokens or default_max_tokens,
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p if p.top_p else 1.0,
-        min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty if p.repetition_penalty else 1.0,
-        seed=p.seed if p.HasField("seed") else None,
-        stop_token_ids=tuple(p.stop_token_ids),
-        stop=tuple(p.stop),
-        ignore_eos=p.ignore_eos,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        logprobs=p.logprobs,
-        top_logprobs=p.top_logprobs,
-    )
-
-
 def chat_messages(messages: worker_pb2.ChatMessages) -> list[dict[str, Any]]:
     """Proto chat messages of text parts → the OpenAI-style dicts chat templates render."""
     out: list[dict[str, Any]] = []
@@ -107,7 +87,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         llm = self.app.core.require_llm()
         check_prompt_bytes(request, self.app.settings.max_prompt_bytes)
-        params = sampling_params(request.sampling, self.app.settings.default_max_tokens)
+        params = SamplingParams.from_proto(request.sampling)  # max_tokens: the engine's
         if request.return_logprobs and not params.logprobs:  # the deprecated spelling
             params = replace(params, logprobs=True)
         if request.prefill_only:
@@ -307,6 +287,8 @@ class WorkerApp(ServiceApp):
         layout = getattr(getattr(c.llm, "engine", None), "layout", None)
         if layout is not None:
             meta["page_size"] = str(layout.page_size)
+        if c.llm is not None:  # the gateway refuses a max_tokens beyond it before streaming
+            meta["context_length"] = str(c.llm.context_length())
         # Which of an encoder's models transcribes: the gateway serves it by that name.
         if c.mm is not None and c.mm.encoder is not None and c.mm.encoder.transcribe_model:
             meta["transcribe_model"] = c.mm.encoder.transcribe_model

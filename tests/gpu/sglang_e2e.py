@@ -190,7 +190,6 @@ async def run(args: argparse.Namespace, tmp: Path, procs: Procs) -> None:
             "OMNIFLOW_WORKER_MODEL": str(model),
             "OMNIFLOW_WORKER_DTYPE": "bfloat16",
             "OMNIFLOW_KV_AGENT_ADDR": agent,
-            "OMNIFLOW_WORKER_DEFAULT_MAX_TOKENS": "16",
         }
         t0 = time.monotonic()
         wa = procs.spawn("worker", "llm-a", wenv, args.load_timeout)

@@ -155,3 +155,40 @@ def test_bad_new_fields_are_named(field: str, value: object, message: str) -> No
         SamplingParams(**kw).validate(100)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="top_logprobs needs logprobs=true"):
         SamplingParams(top_logprobs=3).validate(100)
+
+
+def test_logit_bias_matches_transformers_sequence_bias() -> None:
+    """A one-token logit bias is transformers' SequenceBiasLogitsProcessor over 1-token
+    sequences; greedy and sampled rows in one batch each take their own bias."""
+    logits = _rows(3)
+    bias = {5: 40.0, 17: -100.0, int(logits[1].argmax()): -100.0}
+    proc = transformers.SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})
+    ref = proc(torch.zeros(3, 1, dtype=torch.long), logits.clone())
+    pairs = tuple(sorted(bias.items()))
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=pairs),
+        SamplingParams(temperature=0.0, logit_bias=pairs),
+        SamplingParams(temperature=0.0),  # no bias: its own argmax
+    ]
+    got = sample(logits, params).tokens
+    assert got[:2] == [int(ref[0].argmax()), int(ref[1].argmax())]
+    assert got[2] == int(logits[2].argmax())
+    # Logprobs stay those of the raw logits (vLLM's default), bias or not.
+    lp = sample(logits, [SamplingParams(temperature=0.0, logit_bias=pairs, logprobs=True)])
+    raw = torch.log_softmax(logits[0], -1)[lp.tokens[0]]
+    assert lp.logprobs[0] == pytest.approx(float(raw), abs=1e-5)
+
+
+def test_min_tokens_masks_the_stop_ids_as_transformers() -> None:
+    """A row short of min_tokens cannot draw its stop ids: transformers'
+    MinNewTokensLengthLogitsProcessor with the same eos ids."""
+    logits = _rows(2)
+    stops = frozenset({int(logits[0].argmax()), int(logits[1].argmax()), 3})
+    proc = transformers.MinNewTokensLengthLogitsProcessor(
+        prompt_length_to_skip=0, min_new_tokens=4, eos_token_id=sorted(stops)
+    )
+    ref = proc(torch.zeros(2, 0, dtype=torch.long), logits.clone())
+    p = SamplingParams(temperature=0.0, min_tokens=4)
+    got = sample(logits, [p, p], masked=[stops, None]).tokens
+    assert got[0] == int(ref[0].argmax()) and got[0] not in stops
+    assert got[1] == int(logits[1].argmax())  # past min_tokens: nothing masked

@@ -252,17 +252,29 @@ def test_sampling_params_map_to_sglang_names() -> None:
         stop_token_ids=(2,),
         stop=("\n\n",),
         ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        min_tokens=2,
+        logit_bias=((5, -3.0),),
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
     )
     assert sampling_to_sglang(p) == {
         "max_new_tokens": 9,
+        "min_new_tokens": 2,
         "temperature": 0.7,
         "top_k": -1,
         "top_p": 0.9,
         "min_p": 0.05,
         "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,  # dropped before the one contract
+        "frequency_penalty": -0.25,
         "ignore_eos": True,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
         "stop": ["\n\n"],
         "stop_token_ids": [2],
+        "logit_bias": {"5": -3.0},
         "sampling_seed": 7,
     }
     plain = sampling_to_sglang(SamplingParams(max_tokens=3, top_k=20))

@@ -6,7 +6,9 @@ streamed text equals the decoded whole, a SentencePiece-style (Metaspace) first 
 its leading space (decoded alone, its "▁" would be stripped as the start of a text), and an
 incomplete UTF-8 sequence waits for the token that completes it. When stop strings are set,
 the last ``max(len(stop)) - 1`` characters are held back, since they might be the start of a
-stop string.
+stop string. As vLLM's detokenizer: the stop string is cut from the text (kept, and the text
+cut after it, with ``include_stop_str_in_output``), and no stop string is looked for in the
+text of the first ``min_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -34,9 +36,14 @@ class Detokenizer:
         prompt: Sequence[int] = (),
         *,
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tok = tokenizer
         self._stop = stop
+        self._keep_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._count = 0
         self._hold = max((len(s) for s in stop), default=1) - 1
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         tail = [t for t in prompt[-PRIME_TOKENS:] if 0 <= t < vocab]
@@ -47,6 +54,7 @@ class Detokenizer:
 
     def add(self, token_id: int) -> bool:
         """Add one output token; True when the text now contains a stop string (text cut)."""
+        self._count += 1
         if not 0 <= token_id < self._vocab:
             return False
         chunk = self._stream.step(self._tok, token_id)
@@ -54,12 +62,13 @@ class Detokenizer:
             return False
         start = len(self.text)
         self.text += chunk
-        if self._stop:
+        if self._stop and self._count > self._min_tokens:
             base = max(0, start - self._hold)
             window = self.text[base:]
-            hits = [h for h in (window.find(s) for s in self._stop) if h >= 0]
+            hits = [(h, len(s)) for h, s in ((window.find(s), s) for s in self._stop) if h >= 0]
             if hits:
-                self.text = self.text[: base + min(hits)]
+                at, length = min(hits)
+                self.text = self.text[: base + at + (length if self._keep_stop else 0)]
                 return True
         return False
 

@@ -30,7 +30,7 @@ from omniflow_services.worker.engine.kv_pool import KVPool
 from omniflow_services.worker.engine.loader import load_model
 from omniflow_services.worker.engine.model import SeqInput, build_batch
 from omniflow_services.worker.engine.prefix_cache import PrefixCache
-from omniflow_services.worker.engine.sampling import PenaltyState, sample
+from omniflow_services.worker.engine.sampling import PenaltyState, SamplingParams, sample
 from omniflow_services.worker.engine.scheduler import ScheduledSeq, Scheduler, SeqState
 from omniflow_services.worker.engine.threads import ThreadTuner
 from omniflow_services.worker.engine.types import (
@@ -124,7 +124,9 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
 
-    def _validate(self, req: GenerateRequest) -> list[int]:
+    def _validate(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """The prompt's ids and the request's params with ``max_tokens`` decided (unset: up to
+        the context, or to what the pool holds when that is less)."""
         if not req.request_id:
             raise InvalidArgument("request_id must not be empty")
         if req.prompt_token_ids is not None:
@@ -146,24 +148,22 @@ class Engine:
                 f"[0, {vocab}) and no media embeddings are given for that position"
             )
         req.params.validate(vocab)
-        if len(ids) >= self.max_model_len:
-            raise InvalidArgument(
-                f"the prompt has {len(ids)} tokens; the context length is {self.max_model_len} "
-                "(prompt must be shorter to leave room for output)"
-            )
-        total = len(ids) + req.params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidArgument(
-                f"prompt ({len(ids)} tokens) + max_tokens ({req.params.max_tokens}) = {total} "
-                f"exceeds the context length {self.max_model_len}"
-            )
+        # Unset max_tokens: up to the context, or to what the pool holds when that is less
+        # (a prompt the pool cannot hold at all meets the pool's check below).
+        cap = min(self.max_model_len, self.pool.num_pages * self.layout.page_size)
+        if req.params.max_tokens is None and len(ids) < cap:
+            params = req.params.resolved(len(ids), cap)
+        else:
+            params = req.params.resolved(len(ids), self.max_model_len)
+        assert params.max_tokens is not None
+        total = len(ids) + params.max_tokens
         pages = -(-total // self.layout.page_size)
         if pages > self.pool.num_pages:
             raise InvalidArgument(
                 f"the request needs up to {pages} KV pages; this worker's pool has "
                 f"{self.pool.num_pages}"
             )
-        return ids
+        return ids, params
 
     def _check_embeds(self, spans: tuple[EmbedSpan, ...], n: int) -> set[int]:
         """Positions the spans cover; spans must lie inside the prompt and not overlap."""
@@ -190,8 +190,7 @@ class Engine:
 
     def add_request(self, req: GenerateRequest) -> None:
         """Validate and queue a request; raises ``InvalidArgument`` naming the limit broken."""
-        ids = self._validate(req)
-        p = req.params
+        ids, p = self._validate(req)
         gen = None
         if not p.greedy and p.seed is not None:  # unseeded requests share the global source
             gen = torch.Generator(device=self._device)
@@ -215,7 +214,14 @@ class Engine:
         if p.penalised:
             seq.penalty = PenaltyState(p, ids, self.model_config.vocab_size, self._device)
         if self.tokenizer is not None:
-            seq.detok = Detokenizer(self.tokenizer, p.stop, ids)  # primed with the prompt
+            seq.detok = Detokenizer(  # primed with the prompt
+                self.tokenizer,
+                p.stop,
+                ids,
+                skip_special_tokens=p.skip_special_tokens,
+                include_stop_str_in_output=p.include_stop_str_in_output,
+                min_tokens=p.min_tokens,
+            )
         with self._id_lock:
             if req.request_id in self._seqs:
                 raise InvalidArgument(f"request_id {req.request_id!r} is already running")
@@ -481,6 +487,8 @@ class Engine:
             [q.params for q in done],
             [q.penalty for q in done],
             [q.generator for q in done],
+            # Before min_tokens no stop id may be drawn (vLLM's MinTokensLogitsProcessor).
+            [q.stop_ids if q.num_output < q.params.min_tokens else None for q in done],
         )
         for row, (seq, tok) in enumerate(zip(done, sampled.tokens, strict=True)):
             seq.tokens.append(tok)
@@ -488,8 +496,11 @@ class Engine:
                 seq.penalty.add(tok)
             self.stats.generated_tokens += 1
             reason = None
-            stopped_by_text = seq.detok.add(tok) if seq.detok is not None else False
-            if tok in seq.stop_ids or stopped_by_text:
+            # A stop id's own text is left out unless include_stop_str_in_output (vLLM).
+            by_id = tok in seq.stop_ids
+            feed = seq.detok is not None and (not by_id or seq.params.include_stop_str_in_output)
+            stopped_by_text = seq.detok.add(tok) if feed else False
+            if by_id or stopped_by_text:
                 reason = "stop"
             elif seq.num_output >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
                 reason = "length"

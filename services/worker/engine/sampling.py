@@ -1,9 +1,12 @@
-"""Sampling parameters, their validation, and the sampler over a batch of logits rows.
+"""The sampler over a batch of logits rows (the parameters are the library's contract,
+``omniflow.sampling.SamplingParams``, re-exported here).
 
-The sampler works on the whole batch at once: penalties, temperature, top-k/top-p/min-p and
-the random draw are tensor operations over the rows that need them, never a Python loop per
-row (except drawing noise for requests that carry their own seed). Penalty state is kept per
-request and updated by one token per step (``PenaltyState``), not rebuilt from the tokens.
+The sampler works on the whole batch at once: logit bias, min-tokens masking, penalties,
+temperature, top-k/top-p/min-p and the random draw are tensor operations over the rows that
+need them, never a Python loop per row (except drawing noise for requests that carry their
+own seed). Penalty state is kept per request and updated by one token per step
+(``PenaltyState``), not rebuilt from the tokens. The order is vLLM's: bias and min-tokens
+masking, then penalties, then temperature and filters; logprobs are of the raw logits.
 """
 
 from __future__ import annotations
@@ -12,95 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from omniflow.errors import InvalidArgument
+from omniflow.sampling import SamplingParams
 
-GREEDY_EPS = 1e-5
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How one request picks its next tokens.
-
-    ``temperature`` 0 means greedy. ``top_k`` 0 disables top-k; ``top_p`` 1 and ``min_p`` 0
-    disable those filters; ``repetition_penalty`` 1 disables it (transformers' rule: a seen
-    token's positive logit is divided by it, a negative one multiplied). ``presence_penalty``
-    and ``frequency_penalty`` follow OpenAI (``logit - presence * (count > 0) - frequency *
-    count``, counting the tokens generated so far, as vLLM does). ``seed`` makes sampling
-    reproducible per request. ``logprobs`` returns each sampled token's log-probability and
-    ``top_logprobs`` that many alternatives, both of the model's distribution before
-    penalties, temperature and filters (vLLM's default "raw" logprobs). Generation stops at
-    ``max_tokens``, at an EOS id (unless ``ignore_eos``), at any of ``stop_token_ids`` or
-    when the text contains one of ``stop`` (the stop string is cut from the text).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool = False
-    top_logprobs: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
-
-    @property
-    def penalised(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
-
-    def validate(self, vocab_size: int) -> None:
-        """Raise ``InvalidArgument`` naming the accepted range of the first bad field."""
-        if self.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidArgument(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0 <= self.top_k <= vocab_size:
-            raise InvalidArgument(
-                f"top_k must be in [0, {vocab_size}] (0 disables it), got {self.top_k}"
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise InvalidArgument(
-                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not -2.0 <= v <= 2.0:
-                raise InvalidArgument(f"{name} must be in [-2, 2] (0 disables it), got {v}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidArgument(
-                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
-            )
-        if self.top_logprobs and not self.logprobs:
-            raise InvalidArgument("top_logprobs needs logprobs=true")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise InvalidArgument(f"seed must be in [0, 2^63), got {self.seed}")
-        for t in self.stop_token_ids:
-            if not 0 <= t < vocab_size:
-                raise InvalidArgument(
-                    f"stop token id {t} is outside the vocabulary [0, {vocab_size})"
-                )
-        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise InvalidArgument(
-                f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}"
-            )
+__all__ = ["PenaltyState", "SampleOutput", "SamplingParams", "TopLogprobs", "sample"]
 
 
 class PenaltyState:
@@ -180,6 +97,40 @@ def filter_logits(
         probs = x.softmax(-1)
         x = x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), neg)
     return x
+
+
+def _bias_and_mask(
+    logits: torch.Tensor, params: list[SamplingParams], masked: list[frozenset[int] | None]
+) -> torch.Tensor:
+    """``logits`` with each row's ``logit_bias`` added and its ``masked`` ids (the stop ids
+    of a request still short of its ``min_tokens``) at -inf; the input when no row has
+    either. Ids outside the vocabulary are ignored (the engine's validation refuses them)."""
+    bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+    mask_rows = [i for i, m in enumerate(masked) if m]
+    if not bias_rows and not mask_rows:
+        return logits
+    logits = logits.clone()
+    dev, vocab = logits.device, logits.shape[-1]
+    if bias_rows:
+        rows, cols, vals = [], [], []
+        for i in bias_rows:
+            for t, b in params[i].logit_bias:
+                if t < vocab:
+                    rows.append(i)
+                    cols.append(t)
+                    vals.append(b)
+        if rows:
+            logits.index_put_(
+                (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                torch.tensor(vals, dtype=logits.dtype, device=dev),
+                accumulate=True,
+            )
+    if mask_rows:
+        pairs = [(i, t) for i in mask_rows for t in masked[i] or () if 0 <= t < vocab]
+        if pairs:
+            r, c = zip(*pairs, strict=True)
+            logits[torch.tensor(r, device=dev), torch.tensor(c, device=dev)] = -torch.inf
+    return logits
 
 
 def _apply_penalties(
@@ -266,16 +217,20 @@ def sample(
     params: list[SamplingParams],
     states: list[PenaltyState | None] | None = None,
     generators: list[torch.Generator | None] | None = None,
+    masked: list[frozenset[int] | None] | None = None,
 ) -> SampleOutput:
     """Pick one token per row of ``logits`` [n, vocab] (float32).
 
     ``states[i]`` holds request i's penalty statistics when it uses a penalty;
-    ``generators[i]`` is its random source when it samples with a seed (else the global one).
+    ``generators[i]`` is its random source when it samples with a seed (else the global one);
+    ``masked[i]`` are ids request i may not pick this step (its stop ids before
+    ``min_tokens``). Logprobs are of ``logits`` as given (raw).
     """
     n = len(params)
     states = states if states is not None else [None] * n
     generators = generators if generators is not None else [None] * n
-    penalised = _apply_penalties(logits, params, states)
+    masked = masked if masked is not None else [None] * n
+    penalised = _apply_penalties(_bias_and_mask(logits, params, masked), params, states)
     chosen = penalised.argmax(-1)
     rand = [i for i, p in enumerate(params) if not p.greedy]
     if rand:

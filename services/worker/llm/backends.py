@@ -23,9 +23,10 @@ class BackendRole(LLMRole):
         """Prompt + generated tokens the engine accepts (the model's, unless it says less)."""
         return int(self.engine.model_config.max_position_embeddings)
 
-    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         """InvalidArgument for what the engine would refuse or mishandle: an empty prompt, a
-        token outside the vocabulary, bad sampling, more tokens than the context holds."""
+        token outside the vocabulary, bad sampling, more tokens than the context holds. The
+        params are returned with ``max_tokens`` decided (unset: up to the context)."""
         vocab = self.engine.model_config.vocab_size
         if not ids:
             raise InvalidArgument("the prompt is empty: send at least one token")
@@ -33,12 +34,7 @@ class BackendRole(LLMRole):
         if bad:
             raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         params.validate(vocab)
-        limit = self.context_length()
-        if len(ids) + params.max_tokens > limit:
-            raise InvalidArgument(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {limit} tokens"
-            )
+        return params.resolved(len(ids), self.context_length())
 
     async def warm_up(self) -> None:
         async for _ in self.generate(

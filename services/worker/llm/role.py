@@ -56,6 +56,10 @@ class LLMRole:
     def kv_namespace(self) -> str:
         return self.engine.layout.namespace_hex
 
+    def context_length(self) -> int:
+        """Prompt + generated tokens a request may hold (advertised as ``context_length``)."""
+        return int(self.engine.max_model_len)
+
     async def warm_up(self) -> None:
         """One tiny generation, so that the first user request pays no first-call costs."""
         req = GenerateRequest("warm-up", prompt_token_ids=[0, 1, 2], params=SamplingParams(1, 0.0))

@@ -51,22 +51,31 @@ INSTALL_HINT = "pip install 'omniflow[sglang]' on a machine with a CUDA GPU"
 
 
 def sampling_to_sglang(p: SamplingParams) -> dict[str, Any]:
-    """Our sampling parameters as SGLang's ``sampling_params`` dict (same meanings: SGLang's
-    top_k -1 disables it where ours is 0). The seed is sent only when set: older SGLang
-    versions do not know ``sampling_seed``."""
+    """Our sampling parameters (resolved: ``max_tokens`` set) as SGLang's ``sampling_params``
+    dict (same meanings: SGLang's top_k -1 disables it where ours is 0; its
+    ``min_new_tokens`` is our ``min_tokens``; ``no_stop_trim`` keeps the stop string, our
+    ``include_stop_str_in_output``; ``logit_bias`` keys are token ids as strings). The seed
+    is sent only when set: older SGLang versions do not know ``sampling_seed``."""
     out: dict[str, Any] = {
         "max_new_tokens": p.max_tokens,
+        "min_new_tokens": p.min_tokens,
         "temperature": p.temperature,
         "top_k": p.top_k if p.top_k > 0 else -1,
         "top_p": p.top_p,
         "min_p": p.min_p,
         "repetition_penalty": p.repetition_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
         "ignore_eos": p.ignore_eos,
+        "skip_special_tokens": p.skip_special_tokens,
+        "no_stop_trim": p.include_stop_str_in_output,
     }
     if p.stop:
         out["stop"] = list(p.stop)
     if p.stop_token_ids:
         out["stop_token_ids"] = list(p.stop_token_ids)
+    if p.logit_bias:
+        out["logit_bias"] = {str(t): b for t, b in p.logit_bias}
     if p.seed is not None:
         out["sampling_seed"] = p.seed
     return out
@@ -222,7 +231,7 @@ class SGLangRole(BackendRole):
     async def generate(  # type: ignore[override]
         self, request_id: str, ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        self.check_prompt(ids, params)
+        params = self.check_prompt(ids, params)
         dec = StreamDecoder(request_id)
         kwargs: dict[str, Any] = {
             "input_ids": ids,

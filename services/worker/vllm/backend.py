@@ -62,8 +62,10 @@ GPU_BLOCK_SIZE = 16
 
 
 def sampling_to_vllm(p: SamplingParams) -> dict[str, Any]:
-    """Our sampling parameters as ``vllm.SamplingParams`` keyword arguments (same meanings;
-    top_k 0 disables it in both; logprobs are of the raw distribution in both)."""
+    """Our sampling parameters (resolved: ``max_tokens`` set) as ``vllm.SamplingParams``
+    keyword arguments: the contract's fields are vLLM's, with vLLM's meanings (top_k 0
+    disables it in both; logprobs are of the raw distribution in both). ``structured`` is
+    passed on by the structured-outputs mapping, not here."""
     out: dict[str, Any] = {
         "max_tokens": p.max_tokens,
         "temperature": p.temperature,
@@ -77,6 +79,10 @@ def sampling_to_vllm(p: SamplingParams) -> dict[str, Any]:
         "stop": list(p.stop) or None,
         "stop_token_ids": list(p.stop_token_ids) or None,
         "ignore_eos": p.ignore_eos,
+        "min_tokens": p.min_tokens,
+        "logit_bias": dict(p.logit_bias) or None,
+        "include_stop_str_in_output": p.include_stop_str_in_output,
+        "skip_special_tokens": p.skip_special_tokens,
     }
     if p.logprobs:
         out["logprobs"] = p.top_logprobs  # vLLM adds the sampled token's own
@@ -371,7 +377,7 @@ class VLLMRole(BackendRole):
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        self.check_prompt(ids, params)
+        params = self.check_prompt(ids, params)
         if request_id in self.engine.active:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         sp = VSamplingParams(**sampling_to_vllm(params), output_kind=RequestOutputKind.DELTA)
