@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from vllm_cluster import VLLMCluster, model_folder, vllm_ready
+from vllm_server import VLLMServer
 
 from omniflow.localredis import RedisProcess, start_redis
 
@@ -38,3 +39,20 @@ def vllm_cluster(vllm_env, tmp_path_factory) -> Iterator[VLLMCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[VLLMServer]:
+    """vLLM's own OpenAI server on SmolLM2 (float32), the reference of parity tests; one per
+    module. ``.post("completions", body)``, ``.base_url`` for the ``openai`` client."""
+    why = vllm_ready()
+    if why:
+        pytest.skip(why)
+    tmp = tmp_path_factory.mktemp("vllm-server")
+    server = VLLMServer(model_folder(tmp), tmp)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
