@@ -53,7 +53,13 @@ demo: setup ## start the topology (unless running) and stream a reply from an ll
 bench: setup ## run every benchmark (prints tables)
 	@for b in $$(grep -l '__main__' bench/*.py); do echo "== $$b"; $(PY) $$b || exit 1; done
 
+compose-local: setup ## build every image on a Debian base here and run the compose stack (docs/deploy.md)
+	scripts/compose_local.sh all
+
+compose-down: ## stop the compose stack of compose-local, its containers and volumes
+	scripts/compose_local.sh down
+
 clean: ## remove generated code and caches (keeps .venv)
 	rm -rf libs/omniflow/api .pytest_cache .ruff_cache
 
-.PHONY: help setup protos kernels lint test up status down demo bench clean
+.PHONY: help setup protos kernels lint test up status down demo bench compose-local compose-down clean

@@ -303,7 +303,7 @@ def test_insecure_override_turns_security_off(
 ) -> None:
     plain = _resolve(compose_cmd, COMPOSE_FILE, INSECURE_FILE)
     services = [n for n, s in _ours(plain).items() if _package(s)]
-    assert len(services) == 11, services
+    assert len(services) == 12, services
     for name in services:
         env = _env(plain["services"][name])
         sec = load_settings(SecuritySettings, env=env)
@@ -380,7 +380,7 @@ def test_workers_share_node_and_ipc_with_their_kv_agent(config: dict[str, Any]) 
 
 def test_topology(config: dict[str, Any]) -> None:
     roles = Counter(_env(w)["OMNIFLOW_WORKER_ROLE"] for w in _by_package(config, "worker").values())
-    assert roles == {"llm": 2, "encoder": 1, "diffusion": 1, "talker": 1}, roles
+    assert roles == {"llm": 2, "encoder": 1, "diffusion": 1, "talker": 1, "embed": 1}, roles
     for pkg in ("router", "coordinator", "kv_index"):
         assert len(_by_package(config, pkg)) == 1, f"one {pkg}"
 
