@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from omniflow.api.common.v1 import common_pb2
+from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.errors import InvalidArgument, OmniflowError
 from omniflow.finish import finish_from_proto
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
+from omniflow.sampling import SamplingParams
 from omniflow.values import Tokens, from_python, to_python
 from omniflow_services.coordinator.calls import UNUSED_PICK_CODE, CallRequest, ChunkSink, Target
 from omniflow_services.coordinator.conversation import conversation, encode_items, has_conversation
@@ -36,22 +38,28 @@ from omniflow_services.coordinator.kvhints import KVHinter, Prompt, pages_hints
 
 log = logging.getLogger(__name__)
 
-_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-
 
 def sampling_params(params: dict[str, Any]) -> common_pb2.SamplingParams:
-    sp = common_pb2.SamplingParams()
-    for key in _SAMPLING:
-        if key in params:
-            setattr(sp, key, params[key])
-    if "seed" in params:
-        sp.seed = int(params["seed"])
-    if "stop" in params:
-        stop = params["stop"]
-        sp.stop.extend([stop] if isinstance(stop, str) else list(stop))
-    if params.get("ignore_eos"):
-        sp.ignore_eos = True
-    return sp
+    """A node's sampling params on the wire: every contract field it sets, the node
+    defaults for the rest (``omniflow.sampling.NODE_DEFAULTS``); InvalidArgument naming a
+    bad param."""
+    return SamplingParams.from_params(params).to_proto()
+
+
+def node_overrides(
+    graph: cpb.WorkflowGraph, node_params: Mapping[str, common_pb2.StructValue]
+) -> dict[str, dict[str, Any]]:
+    """A run's ``node_params`` as Python params per top-level call node (the executor merges
+    them over the node's own). InvalidArgument for a name that is not a top-level call node
+    of the graph."""
+    calls = {n.name for n in graph.nodes if n.WhichOneof("kind") == "call"}
+    for name in node_params:
+        if name not in calls:
+            raise InvalidArgument(
+                f"node_params names {name!r}, not a top-level call node of workflow "
+                f"{graph.name!r} (its call nodes: {', '.join(sorted(calls)) or 'none'})"
+            )
+    return {n: {k: to_python(v) for k, v in p.fields.items()} for n, p in node_params.items()}
 
 
 def llm_prompt(text: str, params: dict[str, Any]) -> Prompt:

@@ -246,8 +246,10 @@ class Executor:
         deadline: float | None = None,
         early: dict[str, PickAhead] | None = None,
         max_backoff_s: float = 30.0,
+        overrides: Mapping[str, dict[str, Any]] | None = None,
     ) -> None:
         self.caller, self.sink, self.run_id = caller, sink, run_id
+        self.overrides = overrides or {}  # top-level node -> params over its own, this run
         self.limits = limits
         self.early = early or {}  # picks made before the run started (``pick_entries``)
         self.deadline = deadline  # loop time
@@ -393,6 +395,7 @@ class Executor:
         session = values.get(spec.session_key_input) if spec.session_key_input else ""
         plan = self.limits.plan(path, node)
         params, attempts, retry_on, sem = plan.params, plan.attempts, plan.retry_on, plan.semaphore
+        params = {**params, **self.overrides[path]} if path in self.overrides else params
         backoff = node.retry.initial_backoff_ms / 1000
         exclude: list[str] = []
         outs = {k: s for k, s in scope.streams.items() if k[0] == node.name}

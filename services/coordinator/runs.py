@@ -57,6 +57,7 @@ from omniflow.security import policy
 from omniflow.values import VType, check_type, from_python, to_python
 from omniflow_services.coordinator import adoption, metrics
 from omniflow_services.coordinator.adoption import ACTIVE_KEY, lease_key, run_key
+from omniflow_services.coordinator.caller import node_overrides
 from omniflow_services.coordinator.calls import (
     PickAhead,
     WorkerCaller,
@@ -257,9 +258,10 @@ class RunManager:
         inputs: Mapping[str, common_pb2.Value],
         deadline_ms: int = 0,
         run_id: str = "",
+        node_params: Mapping[str, common_pb2.StructValue] | None = None,
     ) -> str:
         """Start a run; returns its id at once. RESOURCE_EXHAUSTED when at the limit (of
-        every run, or of the caller's tenant)."""
+        every run, or of the caller's tenant). ``node_params``: see ``node_overrides``."""
         if run_id:
             check_run_id(run_id)
         if run_id and (run_id in self.live or await self._known(run_id)):
@@ -293,12 +295,15 @@ class RunManager:
                     self._release(early)
                     early = {}
                 values = self._check_inputs(graph, inputs)
+                node_overrides(graph, node_params or {})  # checked before the run starts
                 run_id = run_id or uuid.uuid4().hex
                 if run_id in self.live:
                     self._release(early)
                     span.end()
                     return run_id  # the same id submitted twice at once
                 live = self._start(graph, inputs, values, deadline_ms, run_id, span, early)
+                for name, params in (node_params or {}).items():  # recorded for an adopter
+                    live.run.node_params[name].CopyFrom(params)
                 live.tenant = tenant
                 self.tenant_runs[tenant] = self.tenant_runs.get(tenant, 0) + 1
         except BaseException as exc:
@@ -411,6 +416,7 @@ class RunManager:
             deadline,
             early,
             max_backoff_s=self.bounds.max_retry_backoff_ms / 1000,
+            overrides=node_overrides(graph, live.run.node_params),
         )
         state, error, outputs = cpb.RUN_STATE_SUCCEEDED, "", {}
         try:

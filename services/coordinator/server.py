@@ -52,7 +52,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> coordinator_pb2.SubmitRunResponse:
         run_id = await self._claim(request)
         run_id = await self.app.runs().submit(
-            request.workflow, request.version, request.inputs, request.deadline_ms, run_id
+            request.workflow,
+            request.version,
+            request.inputs,
+            request.deadline_ms,
+            run_id,
+            request.node_params,
         )
         return coordinator_pb2.SubmitRunResponse(run_id=run_id)
 
@@ -62,7 +67,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         runs = self.app.runs()
         run_id = await self._claim(request)
         run_id = await runs.submit(
-            request.workflow, request.version, request.inputs, request.deadline_ms, run_id
+            request.workflow,
+            request.version,
+            request.inputs,
+            request.deadline_ms,
+            run_id,
+            request.node_params,
         )
         async for event in runs.events(run_id):
             yield event

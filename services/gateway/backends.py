@@ -31,6 +31,7 @@ from omniflow.errors import NotFound, OmniflowError, Unavailable
 from omniflow.finish import finish_from_proto
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
+from omniflow.sampling import SamplingParams
 from omniflow.values import from_python, to_python
 from omniflow.wav import wav_bytes
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
@@ -44,22 +45,6 @@ RUN_STREAM_SLACK_S = 10.0  # a run's stream outlives its deadline by this much
 
 
 @dataclass(frozen=True, slots=True)
-class Sampling:
-    """What the gateway asks of the engine (OpenAI semantics; ``None``: default)."""
-
-    max_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool = False
-    top_logprobs: int = 0
-    stop_token_ids: tuple[int, ...] = ()  # the model's eos ids, so that every one stops
-
-
-@dataclass(frozen=True, slots=True)
 class MediaPart:
     data: bytes
     mime_type: str
@@ -70,7 +55,7 @@ class GenerateCall:
     """One Generate: token ids (text) or chat messages with media parts (multimodal)."""
 
     request_id: str
-    sampling: Sampling
+    sampling: SamplingParams
     token_ids: list[int] | None = None
     messages: list[tuple[str, list[str | MediaPart]]] | None = None
 
@@ -133,27 +118,8 @@ def _strategy(name: str) -> int:
     return router_pb2.Strategy.Value(f"STRATEGY_{name.upper()}")
 
 
-def _sampling_proto(s: Sampling) -> common_pb2.SamplingParams:
-    sp = common_pb2.SamplingParams(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        stop=list(s.stop),
-        stop_token_ids=list(s.stop_token_ids),
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        logprobs=s.logprobs,
-        top_logprobs=s.top_logprobs,
-    )
-    if s.seed is not None:
-        sp.seed = s.seed
-    return sp
-
-
 def _request_proto(call: GenerateCall) -> worker_pb2.GenerateRequest:
-    req = worker_pb2.GenerateRequest(
-        request_id=call.request_id, sampling=_sampling_proto(call.sampling)
-    )
+    req = worker_pb2.GenerateRequest(request_id=call.request_id, sampling=call.sampling.to_proto())
     if call.token_ids is not None:
         req.token_ids.ids.extend(call.token_ids)
         return req
@@ -386,7 +352,12 @@ class Backends:
         reply = await self.coordinators.call(lambda s: s.GetWorkflow(req, timeout=timeout))
         return workflow_info(reply.graph)
 
-    async def run_workflow(self, name: str, inputs: dict[str, Any]) -> AsyncIterator[RunChunk]:
+    async def run_workflow(
+        self,
+        name: str,
+        inputs: dict[str, Any],
+        node_params: dict[str, dict[str, Any]] | None = None,
+    ) -> AsyncIterator[RunChunk]:
         """Run a workflow; yields its text and bytes chunks as they stream, then its outputs.
 
         The run id is made here: when its coordinator stops answering, the run is submitted
@@ -398,6 +369,8 @@ class Backends:
             deadline_ms=int(self.settings.request_timeout_s * 1000),
             run_id=f"gw-{secrets.token_hex(16)}",
         )
+        for node, params in (node_params or {}).items():
+            req.node_params[node].CopyFrom(from_python(params, f"{node} params").struct_value)
         timeout = self.settings.request_timeout_s + RUN_STREAM_SLACK_S
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from omniflow.chat import Preprocessor, acached_preprocessor
 from omniflow.errors import InvalidArgument, NotFound, OmniflowError, Unavailable
+from omniflow.sampling import SamplingParams
 from omniflow.workers import WorkerRecord
 from omniflow_services.gateway import metrics
 from omniflow_services.gateway.audio import talker_voice
@@ -30,7 +31,6 @@ from omniflow_services.gateway.backends import (
     MediaPart,
     Picked,
     RunChunk,
-    Sampling,
     WorkflowInfo,
 )
 from omniflow_services.gateway.config import GatewaySettings
@@ -74,7 +74,7 @@ class Prepared:
 
     model: str
     workers: list[WorkerRecord]
-    sampling: Sampling
+    sampling: SamplingParams
     token_ids: list[int] | None = None
     hashes: list[bytes] = field(default_factory=list)
     namespace: str = ""
@@ -166,7 +166,7 @@ class GatewayCore:
             self._pre[key] = pre
         return pre
 
-    def check_capabilities(self, workers: list[WorkerRecord], sampling: Sampling) -> None:
+    def check_capabilities(self, workers: list[WorkerRecord], sampling: SamplingParams) -> None:
         """400 for a sampling feature the model's workers do not advertise."""
         needs = []
         if sampling.logprobs:
@@ -184,7 +184,7 @@ class GatewayCore:
     # ------------------------------------------------------------ preparing prompts
 
     async def prepare_chat(
-        self, model: str, messages: Sequence[dict[str, Any]], sampling: Sampling
+        self, model: str, messages: Sequence[dict[str, Any]], sampling: SamplingParams
     ) -> Prepared:
         """Template and tokenize the chat once (text) or keep its media parts (multimodal)."""
         workers = await self.workers_for(model, "llm")
@@ -200,11 +200,11 @@ class GatewayCore:
         pre = await self.preprocessor(workers[0])
         size = sum(len(m["content"]) for m in messages)
         ids, hashes = await _off_loop(size, _chat_ids, pre, messages)
-        sampling = replace(sampling, stop_token_ids=pre.eos_token_ids)
+        sampling = _for_prompt(sampling, workers, len(ids), pre)
         return Prepared(model, workers, sampling, ids, hashes, workers[0].kv_namespace, pre=pre)
 
     async def prepare_prompt(
-        self, model: str, prompt: str | list[int], sampling: Sampling
+        self, model: str, prompt: str | list[int], sampling: SamplingParams
     ) -> Prepared:
         """A completion prompt: text (tokenized here) or token ids as given."""
         workers = await self.workers_for(model, "llm")
@@ -214,7 +214,7 @@ class GatewayCore:
             ids, hashes = await _off_loop(len(prompt), _text_ids, pre, prompt)
         else:
             ids, hashes = list(prompt), pre.block_hashes(prompt)
-        sampling = replace(sampling, stop_token_ids=pre.eos_token_ids)
+        sampling = _for_prompt(sampling, workers, len(ids), pre)
         return Prepared(model, workers, sampling, ids, hashes, workers[0].kv_namespace, pre=pre)
 
     # ------------------------------------------------------------ generating
@@ -417,9 +417,15 @@ class GatewayCore:
                 "(GET /v1/models lists them)"
             ) from None
 
-    def run_workflow(self, name: str, inputs: dict[str, Any]) -> AsyncIterator[RunChunk]:
-        """One run through the coordinator: its streamed chunks, then its outputs."""
-        return self.backends.run_workflow(name, inputs)
+    def run_workflow(
+        self,
+        name: str,
+        inputs: dict[str, Any],
+        node_params: dict[str, dict[str, Any]] | None = None,
+    ) -> AsyncIterator[RunChunk]:
+        """One run through the coordinator: its streamed chunks, then its outputs.
+        ``node_params``: params over named top-level nodes' own, for this run."""
+        return self.backends.run_workflow(name, inputs, node_params)
 
 
 async def _served(model: str, pick: Awaitable[Picked]) -> Picked:
@@ -429,6 +435,20 @@ async def _served(model: str, pick: Awaitable[Picked]) -> Picked:
         return await pick
     except NotFound as exc:
         raise Unavailable(f"no live worker serves model {model!r} right now ({exc})") from None
+
+
+def _for_prompt(
+    sampling: SamplingParams, workers: list[WorkerRecord], prompt_len: int, pre: Preprocessor
+) -> SamplingParams:
+    """The sampling sent for a prompt of ``prompt_len`` tokens, checked before any byte is
+    streamed (a 400 naming the field): token ids against the tokenizer's vocabulary,
+    ``max_tokens`` against the workers' context length; the model's EOS ids as stop ids."""
+    sampling.validate(pre.tokenizer.get_vocab_size(with_added_tokens=True))
+    contexts = [w.metadata.get("context_length", "") for w in workers]
+    known = [int(c) for c in contexts if c.isdigit()]
+    if known:
+        sampling.resolved(prompt_len, min(known))
+    return sampling.with_eos(pre.eos_token_ids)
 
 
 async def _off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:

@@ -51,7 +51,8 @@ def from_domain(exc: errors.OmniflowError) -> APIError:
     """The API error of a domain error (500 for anything not in the table)."""
     for cls, status, type_, code in _TABLE:
         if isinstance(exc, cls):
-            return APIError(status, str(exc), type_, None, code)
+            # A sampling error names its field (omniflow.sampling.SamplingError).
+            return APIError(status, str(exc), type_, getattr(exc, "field", None), code)
     return APIError(500, f"internal error: {exc}", "server_error", None, "internal")
 
 

@@ -18,8 +18,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from omniflow.sampling import SamplingError, SamplingParams, StructuredOutput
 from omniflow_services.gateway import audio, metrics
-from omniflow_services.gateway.backends import GenChunk, Sampling
+from omniflow_services.gateway.backends import GenChunk
 from omniflow_services.gateway.config import GatewaySettings
 from omniflow_services.gateway.core import WORKFLOW_PREFIX, GatewayCore, Prepared
 from omniflow_services.gateway.errors import APIError, bad_request, from_validation
@@ -98,27 +99,21 @@ class Tally:
 
 def _sampling(
     req: ChatCompletionRequest | CompletionRequest,
-    max_tokens: int | None,
-    logprobs: bool,
-    top: int,
     max_n: int,
-) -> Sampling:
+    structured: StructuredOutput | None = None,
+) -> SamplingParams:
+    """The request's sampling contract; a 400 naming the field for a value out of range."""
     if req.n > max_n:
         raise bad_request(f"n={req.n} is above this server's limit {max_n}", "n")
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    if len(stop) > 4 or any(not s for s in stop):
-        raise bad_request("stop: up to 4 non-empty strings", "stop")
-    return Sampling(
-        max_tokens=max_tokens or 0,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        seed=req.seed,
-        stop=stop,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        logprobs=logprobs,
-        top_logprobs=top,
-    )
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be set when stream is true", "stream_options")
+    try:
+        return req.to_sampling_params(structured)
+    except SamplingError as exc:
+        name = exc.field
+        if name == "max_tokens" and getattr(req, "max_completion_tokens", None):
+            name = "max_completion_tokens"
+        raise bad_request(str(exc), name) from None
 
 
 class OpenAIRoutes:
@@ -188,12 +183,7 @@ class OpenAIRoutes:
                     "audio reference is for workflow models)",
                     f"messages[{i}].content",
                 )
-        if req.top_logprobs and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        sampling = _sampling(
-            req, max_tokens, req.logprobs, req.top_logprobs or 0, self.settings.max_n
-        )
+        sampling = _sampling(req, self.settings.max_n)
         prep = await param_model(self.core.prepare_chat(req.model, messages, sampling))
         created = int(time.time())
         if req.stream:
@@ -273,10 +263,13 @@ class OpenAIRoutes:
         arrived = request.state.arrived
         rid = "cmpl-" + request.state.request_id.removeprefix("req-")
         prompts = _prompts(req.prompt)
-        top = req.logprobs or 0
-        sampling = _sampling(
-            req, req.max_tokens, req.logprobs is not None, top, self.settings.max_n
-        )
+        sampling = _sampling(req, self.settings.max_n)
+        if req.echo and req.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs needs the prompt's logprobs, which this server does not "
+                "compute: ask for one or the other",
+                "echo",
+            )
         if len(prompts) * req.n > self.settings.max_n:
             raise bad_request(
                 f"{len(prompts)} prompts x n={req.n} is above this server's limit "
@@ -289,6 +282,9 @@ class OpenAIRoutes:
         created = int(time.time())
         count = len(prompts) * req.n
         want_lp = req.logprobs is not None
+        echoed = [
+            _echo(p, prep) if req.echo else "" for p, prep in zip(prompts, preps, strict=True)
+        ]
 
         def obj(choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
             return Completion(
@@ -300,14 +296,18 @@ class OpenAIRoutes:
 
             async def events() -> AsyncIterator[bytes]:
                 tally = Tally("completions", arrived)
+                unsent = set(range(count)) if req.echo else set()  # echo: the prompt first
                 async with aclosing(self.core.merged(preps, req.n)) as stream:
                     async for i, c in stream:
                         tally.saw(i, c)
                         lp = _completion_logprobs(preps[i // req.n], [c]) if want_lp else None
-                        if c.text or c.finish_reason:
+                        head = echoed[i // req.n] if i in unsent else ""
+                        unsent.discard(i)
+                        body = "" if req.echo_only else c.text
+                        if head or body or c.finish_reason:
                             choice = CompletionChoice(
                                 index=i,
-                                text=c.text,
+                                text=head + body,
                                 logprobs=lp,
                                 finish_reason=c.finish_reason or None,
                             )
@@ -330,7 +330,8 @@ class OpenAIRoutes:
             choices = [
                 CompletionChoice(
                     index=i,
-                    text="".join(c.text for c in chunks[i]),
+                    text=echoed[i // req.n]
+                    + ("" if req.echo_only else "".join(c.text for c in chunks[i])),
                     logprobs=_completion_logprobs(preps[i // req.n], chunks[i])
                     if want_lp
                     else None,
@@ -394,6 +395,15 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     if m.audio is not None:
         out["audio"] = {"id": m.audio.id}
     return out
+
+
+def _echo(prompt: str | list[int], prep: Prepared) -> str:
+    """The prompt as completions' ``echo`` puts it before the text: as given, or the token
+    ids decoded (special tokens kept), as vLLM does."""
+    if isinstance(prompt, str):
+        return prompt
+    assert prep.pre is not None
+    return prep.pre.decode(prompt, skip_special_tokens=False)
 
 
 def _audio_seconds(body: bytes, pcm: bool) -> float:

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
+
+from omniflow.sampling import SamplingParams, StructuredOutput
 
 
 class _Request(BaseModel):
@@ -141,25 +150,67 @@ class StructuredOutputs(_Request):
 
 
 class _Sampling(_Request):
+    """The sampling fields of OpenAI and vLLM, typed only: their ranges and defaults are
+    the contract's (``omniflow.sampling``), applied by ``to_sampling_params``."""
+
     model: str
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     user: str | None = None
+
+    def _contract(
+        self,
+        max_tokens: int | None,
+        logprobs: bool,
+        top_logprobs: int,
+        structured: StructuredOutput | None,
+    ) -> SamplingParams:
+        """The contract of this request (``SamplingError`` naming a bad field)."""
+        return SamplingParams.build(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            structured=structured,
+        )
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None  # unset or null: up to the context
+    max_completion_tokens: int | None = None  # wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     tools: list[Tool] | None = None
@@ -171,15 +222,41 @@ class ChatCompletionRequest(_Sampling):
     modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioOutput | None = None
 
+    def to_sampling_params(self, structured: StructuredOutput | None = None) -> SamplingParams:
+        """The one sampling contract of this request (``SamplingError`` naming a bad field);
+        ``max_completion_tokens`` wins over ``max_tokens``."""
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self._contract(max_tokens, self.logprobs, self.top_logprobs or 0, structured)
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+    max_tokens: int | None = 16  # vLLM's and OpenAI's default, null too (as vLLM 0.32)
+    logprobs: int | None = None
+    echo: bool = False  # the prompt before the text; with max_tokens 0, the prompt alone
     best_of: int | None = Field(None, ge=1, le=1)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+
+    def to_sampling_params(self, structured: StructuredOutput | None = None) -> SamplingParams:
+        """The one sampling contract of this request (``SamplingError`` naming a bad field);
+        ``logprobs`` N asks for N alternatives per token."""
+        lp = self.logprobs
+        # vLLM's echo without generation: one token is generated and not shown.
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self._contract(max_tokens, lp is not None, lp or 0, structured)
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_max_tokens(cls, data: Any) -> Any:
+        """``max_tokens: null`` is the default, 16, as in vLLM 0.32's completions."""
+        if isinstance(data, dict) and "max_tokens" in data and data["max_tokens"] is None:
+            data = {**data, "max_tokens": cls.model_fields["max_tokens"].default}
+        return data
 
 
 class ImageRequest(_Request):

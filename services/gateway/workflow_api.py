@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from omniflow.errors import InvalidArgument
+from omniflow.sampling import SamplingError
 from omniflow_services.gateway import audio, metrics
 from omniflow_services.gateway.backends import MediaPart, WorkflowInfo
 from omniflow_services.gateway.core import WORKFLOW_PREFIX, GatewayCore
@@ -62,8 +63,20 @@ log = logging.getLogger(__name__)
 
 #: How long an answer's audio id stands for its transcript in later turns (``expires_at``).
 AUDIO_TTL_S = 3600.0
-# Sampling fields a workflow's nodes set for themselves.
-_NODE_SET = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop")
+#: Chat fields a workflow model passes to its answering llm node (``llm_node_params``).
+NODE_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+# Sampling fields that do not apply to a workflow model (its nodes keep their own).
+_REFUSED = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "logit_bias",
+)
 
 
 @dataclass(slots=True)
@@ -80,6 +93,7 @@ class _Turn:
     rate: int  # of the PCM the audio node streams
     fmt: str
     heard: MediaPart | None  # the turn's audio: what the run heard is remembered for it
+    node_params: dict[str, dict[str, Any]] | None = None  # the request's, per llm node
 
 
 class WorkflowAPI:
@@ -96,11 +110,11 @@ class WorkflowAPI:
         self, request: Request, req: ChatCompletionRequest, rid: str, messages: list[dict[str, Any]]
     ) -> Response:
         name = req.model.removeprefix(WORKFLOW_PREFIX)
-        for field in _NODE_SET:
-            if getattr(req, field) is not None:
+        for field in _REFUSED:
+            if field in req.model_fields_set and getattr(req, field) != _DEFAULTS[field]:
                 raise bad_request(
-                    f"{field} does not apply to a workflow model: its nodes set their own "
-                    "parameters",
+                    f"{field} does not apply to a workflow model (it takes "
+                    f"{', '.join(NODE_FIELDS)}, for its answering llm node)",
                     field,
                 )
         if req.n != 1 or req.logprobs or req.presence_penalty or req.frequency_penalty:
@@ -108,6 +122,7 @@ class WorkflowAPI:
         fmt = _audio_format(req)
         info = await param_model(self.core.workflow_info(name))
         turn = await param_model(self._turn(name, info, messages, fmt))
+        turn.node_params = llm_node_params(name, info, turn.answer_node, req)
         created = int(time.time())
         if req.stream:
             return streaming(self._events(turn, req, rid, created, request.state.arrived))
@@ -142,7 +157,8 @@ class WorkflowAPI:
 
     async def _run(self, turn: _Turn) -> AsyncIterator[tuple[str, str | bytes | dict[str, Any]]]:
         """("text", delta), ("pcm", chunk) as the run streams them, then ("outputs", ...)."""
-        async with aclosing(self.core.run_workflow(turn.name, turn.inputs)) as runs:
+        run = self.core.run_workflow(turn.name, turn.inputs, turn.node_params)
+        async with aclosing(run) as runs:
             async for c in runs:
                 if c.outputs is not None:
                     if c.error:
@@ -332,6 +348,46 @@ class WorkflowAPI:
         if images is None:
             return Response(status_code=499)
         return JSONResponse(ImagesResponse(created=int(time.time()), data=images).model_dump())
+
+
+_DEFAULTS = {f: ChatCompletionRequest.model_fields[f].default for f in _REFUSED}
+
+
+def llm_node_params(
+    name: str, info: WorkflowInfo, answer_node: str, req: ChatCompletionRequest
+) -> dict[str, dict[str, Any]] | None:
+    """The request's ``NODE_FIELDS`` as params of the llm node that writes the answer (a
+    top-level ``llm`` ``generate`` node), or of every top-level llm generate node when
+    another kind of node answers; over the nodes' own params for this run. Values are
+    checked by the sampling contract first (a 400 naming the field)."""
+    asked = [f for f in NODE_FIELDS if getattr(req, f) is not None]
+    if req.max_completion_tokens is not None:
+        asked.append("max_completion_tokens")
+    if not asked:
+        return None
+    try:
+        sampling = req.to_sampling_params()
+    except SamplingError as exc:
+        raise bad_request(str(exc), exc.field) from None
+    params: dict[str, Any] = {f: getattr(sampling, f) for f in NODE_FIELDS if f in asked}
+    if "max_completion_tokens" in asked:  # it wins over max_tokens, as for models
+        params["max_tokens"] = sampling.max_tokens
+    if "stop" in params:
+        params["stop"] = list(params["stop"])
+    llm = {
+        n: node
+        for n, node in info.nodes.items()
+        if node.role == "llm" and node.operation == "generate"
+        and not node.params.get("prefill_only")
+    }  # fmt: skip
+    targets = [answer_node] if answer_node in llm else sorted(llm)
+    if not targets:
+        field = asked[0]
+        raise bad_request(
+            f"{field}: workflow {name!r} has no top-level llm generate node to apply it to",
+            field,
+        )
+    return {n: params for n in targets}
 
 
 def _audio_format(req: ChatCompletionRequest) -> str | None:

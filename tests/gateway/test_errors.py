@@ -62,11 +62,16 @@ def test_wrong_or_missing_api_key_is_401(topology: Any, http: httpx.Client) -> N
     ("extra", "param"),
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"temperature": 3.5}, "temperature"),
+        ({"temperature": 101}, "temperature"),  # the contract's range: [0, 100]
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"response_format": {"type": "json_schema"}}, "response_format.type"),
         ({"n": 99}, "n"),
-        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [str(i) for i in range(17)]}, "stop"),  # at most 16
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"max_tokens": 9000}, "max_tokens"),  # beyond SmolLM2's context (8192)
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),  # outside the vocabulary
+        ({"stop_token_ids": [49152]}, "stop_token_ids"),
     ],
 )
 def test_bad_fields_are_400_naming_the_field(

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from omniflow import errors
+from omniflow.sampling import SamplingError
 from omniflow_services.gateway.errors import APIError, from_domain, from_validation
 from omniflow_services.gateway.openai_api import _prompts, _size
 from omniflow_services.gateway.protocol import (
@@ -33,14 +34,11 @@ HELLO = [{"role": "user", "content": "hi"}]
     ("body", "param"),
     [
         ({"model": "m", "messages": HELLO, "tools": []}, "tools"),
-        ({"model": "m", "messages": HELLO, "logit_bias": {"1": 2}}, "logit_bias"),
         ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         (
             {"model": "m", "messages": [{"role": "user", "content": "x", "name": "a"}]},
             "messages[0].name",
         ),
-        ({"model": "m", "messages": HELLO, "temperature": -1}, "temperature"),
-        ({"model": "m", "messages": HELLO, "top_logprobs": 21}, "top_logprobs"),
         ({"model": "m", "messages": HELLO, "n": 0}, "n"),
         ({"model": "m", "messages": []}, "messages"),
         ({"messages": HELLO}, "model"),
@@ -50,8 +48,41 @@ def test_chat_validation_names_the_field(body: dict, param: str) -> None:
     assert _param(ChatCompletionRequest, body) == param
 
 
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        ({"logit_bias": {"x": 2}}, "logit_bias"),
+        ({"stop": ["s"] * 17}, "stop"),
+        ({"top_p": 0}, "top_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_sampling_errors_name_the_field(extra: dict, field: str) -> None:
+    """Ranges are the contract's: the request parses, its sampling names the bad field."""
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": HELLO, **extra})
+    with pytest.raises(SamplingError) as err:
+        req.to_sampling_params()
+    assert err.value.field == field
+    assert from_domain(err.value).status == 400 and from_domain(err.value).param == field
+
+
 def test_completion_validation() -> None:
-    assert _param(CompletionRequest, {"model": "m", "prompt": "x", "echo": True}) == "echo"
+    echo = CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": True})
+    assert echo.echo and echo.to_sampling_params().max_tokens == 16  # vLLM's default
+    null = CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": None})
+    assert null.to_sampling_params().max_tokens == 16  # null is the default (vLLM 0.32)
+    only = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "echo": True, "max_tokens": 0}
+    )
+    assert only.echo_only and only.to_sampling_params().max_tokens == 1  # shown: the prompt
     assert _param(CompletionRequest, {"model": "m", "prompt": "x", "suffix": "y"}) == "suffix"
     ok = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3]})
     assert _prompts(ok.prompt) == [[1, 2, 3]]
