@@ -25,6 +25,7 @@ from omniflow_services.worker.engine.config import EngineConfig
 from omniflow_services.worker.engine.connector import BlockEventSink, KVConnector
 from omniflow_services.worker.engine.decode_kv import DecodeKV
 from omniflow_services.worker.engine.detok import Detokenizer
+from omniflow_services.worker.engine.grammar import Grammars, apply_grammars, grammar_ended
 from omniflow_services.worker.engine.kv_loads import FetchedPages, KVLoads
 from omniflow_services.worker.engine.kv_pool import KVPool
 from omniflow_services.worker.engine.loader import load_model
@@ -67,6 +68,7 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.generation.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.max_model_len = min(
             cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
@@ -210,6 +212,7 @@ class Engine:
             embeds=tuple(sorted(req.embeds, key=lambda x: x.start)),
             want_kv=req.return_kv,
             uid=next(self._uids),
+            grammar=self.grammars.matcher(p.structured) if p.structured else None,
         )
         if p.penalised:
             seq.penalty = PenaltyState(p, ids, self.model_config.vocab_size, self._device)
@@ -482,6 +485,7 @@ class Engine:
         if not done:
             return
         kvs = {id(q): self._gather_kv(q) for q in done if q.want_kv and q.num_output == 0}
+        apply_grammars(logits, [q.grammar for q in done])  # requests with a grammar only
         sampled = sample(
             logits,
             [q.params for q in done],
@@ -500,7 +504,7 @@ class Engine:
             by_id = tok in seq.stop_ids
             feed = seq.detok is not None and (not by_id or seq.params.include_stop_str_in_output)
             stopped_by_text = seq.detok.add(tok) if feed else False
-            if by_id or stopped_by_text:
+            if by_id or stopped_by_text or grammar_ended(seq.grammar, tok):
                 reason = "stop"
             elif seq.num_output >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
                 reason = "length"

@@ -55,6 +55,7 @@ class SeqState:
     penalty: Any = None  # PenaltyState when the request uses a penalty
     uid: int = -1  # unique per request in this engine (keys the decode K/V copy)
     fetched: Any = None  # FetchedPages from the data plane, imported at admission
+    grammar: Any = None  # GrammarState of a request with structured output
 
     @property
     def num_output(self) -> int:

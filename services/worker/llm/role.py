@@ -13,6 +13,7 @@ import itertools
 import logging
 import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +102,14 @@ class LLMRole:
         """Abort the caller's own request ``given`` (another tenant's is not found)."""
         return self.engine.abort(scoped_id(given))
 
-    def generate(
+    async def generate(
         self, request_id: str, ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
+        if params.structured is not None:  # compiled off the loop (cached for the engine)
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured)
         # The caller's tenant salts the prompt's block hashes: its pages are its own.
         extra = salted_extra_keys(None)
-        return self.engine.generate(
-            GenerateRequest(request_id, prompt_token_ids=ids, params=params, extra_keys=extra)
-        )
+        req = GenerateRequest(request_id, prompt_token_ids=ids, params=params, extra_keys=extra)
+        async with aclosing(self.engine.generate(req)) as stream:
+            async for out in stream:
+                yield out

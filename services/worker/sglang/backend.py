@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from omniflow.discovery import find_address
-from omniflow.errors import FailedPrecondition
+from omniflow.errors import FailedPrecondition, Unimplemented
 from omniflow.finish import engine_finish
 from omniflow.kv.blocks import KVLayout
 from omniflow_services.worker.config import WorkerSettings
@@ -232,6 +232,11 @@ class SGLangRole(BackendRole):
         self, request_id: str, ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         params = self.check_prompt(ids, params)
+        if params.structured is not None:  # refused, never ignored (not mapped to SGLang yet)
+            raise Unimplemented(
+                f"structured.{params.structured.kind}: the SGLang engine backend does not "
+                "apply structured output; serve the model with the built-in or vLLM engine"
+            )
         dec = StreamDecoder(request_id)
         kwargs: dict[str, Any] = {
             "input_ids": ids,

@@ -28,6 +28,7 @@ import asyncio
 import atexit
 import gc
 import importlib.util
+import json
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -40,6 +41,7 @@ from omniflow.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from omniflow.finish import engine_finish
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.rpc.server import Runtime
+from omniflow.sampling import StructuredOutput
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.engine import EngineLoad, RequestOutput, SamplingParams, Usage
 from omniflow_services.worker.engine.config import ModelConfig
@@ -87,6 +89,20 @@ def sampling_to_vllm(p: SamplingParams) -> dict[str, Any]:
     if p.logprobs:
         out["logprobs"] = p.top_logprobs  # vLLM adds the sampled token's own
     return out
+
+
+def structured_to_vllm(so: StructuredOutput | None) -> Any:
+    """A ``StructuredOutput`` as vLLM's ``StructuredOutputsParams`` (None: free text). JSON
+    is written without free whitespace, as the built-in engine writes it
+    (``disable_any_whitespace``)."""
+    if so is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    value: Any = True if so.kind == "json_object" else so.spec
+    if so.kind == "choice":
+        value = json.loads(so.spec)
+    return StructuredOutputsParams(**{so.kind: value}, disable_any_whitespace=True)
 
 
 def top_of(step: dict[int, Any], n: int) -> TopLogprobs:
@@ -380,7 +396,11 @@ class VLLMRole(BackendRole):
         params = self.check_prompt(ids, params)
         if request_id in self.engine.active:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
-        sp = VSamplingParams(**sampling_to_vllm(params), output_kind=RequestOutputKind.DELTA)
+        sp = VSamplingParams(
+            **sampling_to_vllm(params),
+            output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_to_vllm(params.structured),
+        )
         dec = DeltaDecoder(request_id, len(ids), params.top_logprobs if params.logprobs else 0)
         self.engine.active[request_id] = dec
         try:
@@ -395,6 +415,13 @@ class VLLMRole(BackendRole):
                     break
             if not dec.finished:
                 yield dec.aborted()
+        except ValueError as exc:  # vLLM checks a grammar when the request is added
+            so = params.structured
+            if so is None or dec.count:
+                raise
+            raise InvalidArgument(
+                f"structured.{so.kind}: vLLM refused the constraint: {exc}"
+            ) from None
         finally:
             self.engine.active.pop(request_id, None)
 
