@@ -25,7 +25,7 @@ MAX_INITIAL_TIMESTAMP = 1.0  # the first timestamp is at most this far into the 
 Rules = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TranscribeOptions:
     """OpenAI's transcription fields, as the decoder takes them."""
 
