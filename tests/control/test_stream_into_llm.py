@@ -54,3 +54,31 @@ def test_stream_into_llm_runs_once_per_phrase(cluster) -> None:
     assert answer.count("echo: ") == len(polish_calls) + 1, answer
     # (each call's own "echo:", plus the draft's in its first phrase)
     assert [w for w in answer.split() if w != "echo:"] == QUESTION.split(), answer
+
+
+def test_cli_progress_shows_streamed_text_by_sentence_not_by_token() -> None:
+    import io
+
+    from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
+    from omniflow.cli.workflow import Progress
+    from omniflow.values import from_python
+
+    out = io.StringIO()
+    progress = Progress(out, quiet=False)
+    words = ("A KV cache keeps keys. It holds values of past tokens, so the model does not "
+             "recompute them at every step of decoding").split(" ")  # fmt: skip
+    for i, word in enumerate(words):  # two nodes streaming at once, one word per chunk
+        for node in ("draft", "polish"):
+            chunk = from_python(word if i == 0 else " " + word)
+            ev = cpb.NodeOutputChunk(node=node, output="text", chunk=chunk)
+            progress(cpb.RunEvent(node_output=ev))
+    for node in ("draft", "polish"):
+        done = cpb.NodeFinished(node=node, state=cpb.RUN_STATE_SUCCEEDED, duration_ms=1.0)
+        progress(cpb.RunEvent(node_finished=done))
+    lines = out.getvalue().splitlines()
+    polish = [ln for ln in lines if ln.startswith("  ~ polish.text: ")]
+    assert len(polish) == 3 < len(words), lines  # a sentence, a long line, the rest
+    assert polish[0] == "  ~ polish.text: A KV cache keeps keys.", polish
+    text = " ".join(ln.removeprefix("  ~ polish.text: ") for ln in polish)
+    assert text.split() == words
+    assert lines[-1] == "  ok polish (1.0 ms)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -153,11 +154,19 @@ def save_files(outputs: dict[str, Any], name: str, folder: Path) -> dict[str, An
 
 
 class Progress:
-    """Prints node progress lines as events arrive."""
+    """Prints node progress lines as events arrive.
+
+    A node's streamed text is shown as it is written, a line per sentence (or per
+    ``LINE_CHARS``), not a line per token: an llm's hundred chunks are a few lines, and two
+    nodes streaming at once (a streaming edge) do not interleave word by word."""
+
+    LINE_CHARS = 72
+    _END = re.compile(r"[.!?…]\s|\n")
 
     def __init__(self, out: TextIO, quiet: bool) -> None:
         self.out, self.quiet = out, quiet
         self.chunks: dict[str, int] = {}
+        self.text: dict[tuple[str, str], str] = {}  # (node, output) -> text not yet shown
 
     def __call__(self, ev: cpb.RunEvent) -> None:
         if self.quiet:
@@ -171,16 +180,40 @@ class Progress:
         elif kind == "node_output":
             e = ev.node_output
             self.chunks[e.node] = self.chunks.get(e.node, 0) + 1
+            value = to_python(e.chunk)
             if e.output == "case":
-                print(f"  ? {e.node} -> {to_python(e.chunk)}", file=self.out, flush=True)
-            elif isinstance(to_python(e.chunk), str):
-                print(f"  ~ {e.node}.{e.output}: {brief(to_python(e.chunk), 60)}", file=self.out)
+                print(f"  ? {e.node} -> {value}", file=self.out, flush=True)
+            elif isinstance(value, str):
+                self._text(e.node, e.output, value)
         elif kind == "node_finished":
             e = ev.node_finished
+            self._flush(e.node)
             if e.state == cpb.RUN_STATE_SUCCEEDED:
                 print(f"  ok {e.node} ({e.duration_ms:.1f} ms)", file=self.out, flush=True)
             else:
                 print(f"  FAILED {e.node}: {e.error}", file=self.out, flush=True)
+        elif kind == "run_finished":
+            self._flush(None)
+
+    def _text(self, node: str, output: str, chunk: str) -> None:
+        key = (node, output)
+        pending = self.text.get(key, "") + chunk
+        while True:
+            end = self._END.search(pending)
+            cut = end.end() if end else (len(pending) if len(pending) >= self.LINE_CHARS else 0)
+            if not cut:
+                break
+            self._line(key, pending[:cut])
+            pending = pending[cut:]
+        self.text[key] = pending
+
+    def _flush(self, node: str | None) -> None:
+        for key in [k for k in self.text if node is None or k[0] == node]:
+            self._line(key, self.text.pop(key))
+
+    def _line(self, key: tuple[str, str], text: str) -> None:
+        if text.strip():
+            print(f"  ~ {key[0]}.{key[1]}: {text.strip()}", file=self.out, flush=True)
 
 
 def _jsonable(value: Any) -> Any:
