@@ -184,22 +184,33 @@ class GatewayCore:
     # ------------------------------------------------------------ preparing prompts
 
     async def prepare_chat(
-        self, model: str, messages: Sequence[dict[str, Any]], sampling: SamplingParams
+        self,
+        model: str,
+        messages: Sequence[dict[str, Any]],
+        sampling: SamplingParams,
+        template: dict[str, Any] | None = None,
     ) -> Prepared:
-        """Template and tokenize the chat once (text) or keep its media parts (multimodal)."""
+        """Template and tokenize the chat once (text) or keep its media parts (multimodal).
+
+        ``template``: what the template is rendered with besides the messages (tools,
+        ``add_generation_prompt``, ... : ``Preprocessor.render_chat``'s options)."""
         workers = await self.workers_for(model, "llm")
         self.check_capabilities(workers, sampling)
         if any(isinstance(m["content"], list) for m in messages):
-            parts = [(m["role"], _media_parts(m["content"], i)) for i, m in enumerate(messages)]
+            parts = [
+                (m["role"], _media_parts(m["content"] or "", i)) for i, m in enumerate(messages)
+            ]
             if any(not isinstance(p, str) for _, ps in parts for p in ps):
                 return Prepared(model, workers, sampling, messages=parts)
             messages = [
-                {"role": r, "content": "".join(p for p in ps if isinstance(p, str))}
-                for r, ps in parts
+                {**m, "content": "".join(p for p in ps if isinstance(p, str))}
+                if isinstance(m["content"], list)
+                else m
+                for m, (_, ps) in zip(messages, parts, strict=True)
             ]
         pre = await self.preprocessor(workers[0])
-        size = sum(len(m["content"]) for m in messages)
-        ids, hashes = await _off_loop(size, _chat_ids, pre, messages)
+        size = sum(len(m["content"] or "") for m in messages)
+        ids, hashes = await _off_loop(size, _chat_ids, pre, messages, template or {})
         sampling = _for_prompt(sampling, workers, len(ids), pre)
         return Prepared(model, workers, sampling, ids, hashes, workers[0].kv_namespace, pre=pre)
 
@@ -461,9 +472,9 @@ async def _off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
 
 
 def _chat_ids(
-    pre: Preprocessor, messages: Sequence[dict[str, Any]]
+    pre: Preprocessor, messages: Sequence[dict[str, Any]], template: dict[str, Any]
 ) -> tuple[list[int], list[bytes]]:
-    ids = pre.encode_chat(messages, add_generation_prompt=True)
+    ids = pre.encode_chat(messages, **{"add_generation_prompt": True, **template})
     return ids, pre.block_hashes(ids)
 
 

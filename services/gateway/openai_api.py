@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from omniflow.chat.tools import tool_format_for
 from omniflow.sampling import SamplingError, SamplingParams, StructuredOutput
 from omniflow_services.gateway import audio, metrics
 from omniflow_services.gateway.backends import GenChunk
@@ -55,6 +56,16 @@ from omniflow_services.gateway.replies import (
     streaming,
     usage,
     whole,
+)
+from omniflow_services.gateway.structured import Constraint, constraint_of, naming, primed
+from omniflow_services.gateway.tool_calls import (
+    StreamedCalls,
+    ToolPlan,
+    one_constraint,
+    plan_tools,
+    refuse_on_workflow,
+    template_options,
+    whole_answer,
 )
 from omniflow_services.gateway.workflow_api import WorkflowAPI
 
@@ -136,12 +147,25 @@ class OpenAIRoutes:
             raise from_validation(exc) from None
 
     async def _stream(
-        self, events: AsyncIterator[bytes], preps: list[Prepared], n: int = 1
+        self,
+        events: AsyncIterator[bytes],
+        preps: list[Prepared],
+        n: int = 1,
+        constraint: Constraint | None = None,
+        skip: int = 0,
     ) -> StreamingResponse:
         """SSE of ``events``; the workers of ``preps`` are picked before the 200 is sent
-        (picks no stream used are released at the end)."""
+        (picks no stream used are released at the end). With a constraint, the stream's
+        first worker chunk (after ``skip`` events) is awaited first: a grammar the worker
+        cannot compile is a 400 naming the field."""
         for prep in preps:
             await param_model(self.core.prepick(prep, n))
+        if constraint is not None:
+            try:
+                events = await primed(events, skip + 1, constraint)
+            except BaseException:
+                self.core.release(preps)
+                raise
         return streaming(events, lambda: self.core.release(preps))
 
     # ------------------------------------------------------------ models
@@ -168,6 +192,7 @@ class OpenAIRoutes:
         rid = "chatcmpl-" + request.state.request_id.removeprefix("req-")
         messages = [_message(m) for m in req.messages]
         if req.model.startswith(WORKFLOW_PREFIX):
+            refuse_on_workflow(req)
             return await self.workflows.chat(request, req, rid, messages)
         if (req.modalities and "audio" in req.modalities) or req.audio is not None:
             raise bad_request(
@@ -177,26 +202,36 @@ class OpenAIRoutes:
                 "modalities",
             )
         for i, m in enumerate(messages):
-            if m["content"] is None:
+            if m["content"] is None and not m.get("tool_calls"):
                 raise bad_request(
                     f"messages[{i}].content is missing: an llm model reads text (an assistant "
                     "audio reference is for workflow models)",
                     f"messages[{i}].content",
                 )
-        sampling = _sampling(req, self.settings.max_n)
-        prep = await param_model(self.core.prepare_chat(req.model, messages, sampling))
+        plan = plan_tools(req, tool_format_for(self.settings.tool_formats, req.model))
+        constraint = one_constraint(constraint_of(req), plan)
+        sampling = _sampling(req, self.settings.max_n, constraint and constraint.structured)
+        template = template_options(req, plan)
+        prep = await param_model(self.core.prepare_chat(req.model, messages, sampling, template))
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._chat_events(prep, req, rid, created, arrived, include_usage)
-            return await self._stream(events, [prep], req.n)
-        result = await whole(request, self._chat_whole(prep, req, rid, created, arrived))
+            events = self._chat_events(prep, req, rid, created, arrived, include_usage, plan)
+            return await self._stream(events, [prep], req.n, constraint, skip=req.n)
+        work = self._chat_whole(prep, req, rid, created, arrived, plan)
+        result = await naming(constraint, whole(request, work))
         if result is None:
             return Response(status_code=499)
         return JSONResponse(result.model_dump())
 
     async def _chat_whole(
-        self, prep: Prepared, req: ChatCompletionRequest, rid: str, created: int, arrived: float
+        self,
+        prep: Prepared,
+        req: ChatCompletionRequest,
+        rid: str,
+        created: int,
+        arrived: float,
+        plan: ToolPlan | None = None,
     ) -> ChatCompletion:
         tally = Tally("chat", arrived)
         texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
@@ -208,15 +243,21 @@ class OpenAIRoutes:
                 if req.logprobs:
                     lps[i].extend(_token_logprobs(prep, chunk))
         usage = tally.done()
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content="".join(texts[i])),
-                logprobs=ChoiceLogprobs(content=lps[i]) if req.logprobs else None,
-                finish_reason=tally.finish.get(i, "stop"),
+        choices = []
+        for i in range(req.n):
+            content: str | None = "".join(texts[i])
+            calls, reason = None, tally.finish.get(i, "stop")
+            if plan is not None and content is not None:
+                content, calls = whole_answer(plan, content)
+                reason = "tool_calls" if calls and reason == "stop" else reason
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=content, tool_calls=calls or None),
+                    logprobs=ChoiceLogprobs(content=lps[i]) if req.logprobs else None,
+                    finish_reason=reason,
+                )
             )
-            for i in range(req.n)
-        ]
         return ChatCompletion(
             id=rid, created=created, model=req.model, choices=choices, usage=usage
         )
@@ -229,8 +270,10 @@ class OpenAIRoutes:
         created: int,
         arrived: float,
         include_usage: bool,
+        plan: ToolPlan | None = None,
     ) -> AsyncIterator[bytes]:
         tally = Tally("chat", arrived)
+        calls = {i: StreamedCalls(plan) for i in range(req.n)} if plan is not None else None
 
         def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
             return sse(
@@ -244,13 +287,18 @@ class OpenAIRoutes:
         async with aclosing(self.core.merged([prep], req.n)) as stream:
             async for i, c in stream:
                 tally.saw(i, c)
-                if c.text or (req.logprobs and c.token_ids):
-                    lp = ChoiceLogprobs(content=_token_logprobs(prep, c)) if req.logprobs else None
+                lp = None
+                if req.logprobs and c.token_ids:
+                    lp = ChoiceLogprobs(content=_token_logprobs(prep, c))
+                if calls is not None:  # tools: content and calls as the parser finds them
+                    deltas = calls[i].feed(c.text) + (calls[i].end() if c.finish_reason else [])
+                    for k, d in enumerate(deltas or ([Delta()] if lp else [])):
+                        yield chunk([ChunkChoice(index=i, delta=d, logprobs=None if k else lp)])
+                elif c.text or lp:
                     yield chunk([ChunkChoice(index=i, delta=Delta(content=c.text), logprobs=lp)])
                 if c.finish_reason:
-                    yield chunk(
-                        [ChunkChoice(index=i, delta=Delta(), finish_reason=c.finish_reason)]
-                    )
+                    reason = calls[i].finish_reason(c.finish_reason) if calls else c.finish_reason
+                    yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=reason)])
         usage = tally.done()
         if include_usage:
             yield chunk([], usage)
@@ -263,7 +311,8 @@ class OpenAIRoutes:
         arrived = request.state.arrived
         rid = "cmpl-" + request.state.request_id.removeprefix("req-")
         prompts = _prompts(req.prompt)
-        sampling = _sampling(req, self.settings.max_n)
+        constraint = constraint_of(req)
+        sampling = _sampling(req, self.settings.max_n, constraint and constraint.structured)
         if req.echo and req.logprobs is not None:
             raise bad_request(
                 "echo with logprobs needs the prompt's logprobs, which this server does not "
@@ -317,7 +366,7 @@ class OpenAIRoutes:
                     yield sse(obj([], usage))
                 yield DONE
 
-            return await self._stream(events(), preps, req.n)
+            return await self._stream(events(), preps, req.n, constraint)
 
         async def collect() -> Completion:
             tally = Tally("completions", arrived)
@@ -341,7 +390,7 @@ class OpenAIRoutes:
             ]
             return obj(choices, usage)
 
-        result = await whole(request, collect())
+        result = await naming(constraint, whole(request, collect()))
         return Response(status_code=499) if result is None else JSONResponse(result.model_dump())
 
     # ------------------------------------------------------------ images and speech
@@ -394,6 +443,11 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     }
     if m.audio is not None:
         out["audio"] = {"id": m.audio.id}
+    if m.tool_calls:  # an earlier turn's calls, and the results that answer them
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    for key in ("tool_call_id", "name"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
     return out
 
 

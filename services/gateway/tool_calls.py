@@ -213,3 +213,24 @@ def one_constraint(constraint: Constraint | None, plan: ToolPlan | None) -> Cons
             "tool_choice",
         )
     return forced or constraint
+
+
+def refuse_on_workflow(req: ChatCompletionRequest) -> None:
+    """A 400 naming a tool, constraint or template field sent to a workflow model: its nodes
+    template and sample their own prompts, so these would be ignored."""
+    given = {
+        "tools": bool(req.tools),
+        "tool_choice": req.tool_choice not in (None, "none"),
+        "response_format": req.response_format is not None and req.response_format.type != "text",
+        "structured_outputs": req.structured_outputs is not None,
+        "chat_template_kwargs": bool(req.chat_template_kwargs),
+        "add_generation_prompt": not req.add_generation_prompt,
+        "continue_final_message": req.continue_final_message,
+    }
+    for name, set_ in given.items():
+        if set_:
+            raise bad_request(
+                f"{name} does not apply to a workflow model (its nodes template and sample "
+                "their own prompts); leave it unset",
+                name,
+            )

@@ -61,10 +61,14 @@ def test_wrong_or_missing_api_key_is_401(topology: Any, http: httpx.Client) -> N
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools[0].function.name",
+        ),
         ({"temperature": 101}, "temperature"),  # the contract's range: [0, 100]
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-        ({"response_format": {"type": "json_schema"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"n": 99}, "n"),
         ({"stop": [str(i) for i in range(17)]}, "stop"),  # at most 16
         ({"max_tokens": 2**63}, "max_tokens"),
@@ -91,7 +95,7 @@ def test_bad_bodies_are_400(http: httpx.Client, topology: Any) -> None:
     assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
     reply = http.post(
         "/v1/chat/completions",
-        json={"model": topology.model, "messages": [{"role": "tool", "content": "x"}]},
+        json={"model": topology.model, "messages": [{"role": "robot", "content": "x"}]},
     )
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages[0].role"
     reply = http.post(

@@ -33,11 +33,15 @@ HELLO = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"model": "m", "messages": HELLO, "tools": []}, "tools"),
-        ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": HELLO, "tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         (
-            {"model": "m", "messages": [{"role": "user", "content": "x", "name": "a"}]},
-            "messages[0].name",
+            {"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+            "messages[0].tool_calls[0].function",
+        ),
+        (
+            {"model": "m", "messages": HELLO, "response_format": {"type": "xml"}},
+            "response_format.type",
         ),
         ({"model": "m", "messages": HELLO, "n": 0}, "n"),
         ({"model": "m", "messages": []}, "messages"),
