@@ -49,6 +49,13 @@ class CoordinatorSettings(CommonSettings):
         "largest serialized workflow graph",
         minimum=1,
     )
+    max_prompt_bytes: int = setting(
+        "OMNIFLOW_COORDINATOR_MAX_PROMPT_BYTES",
+        1 << 20,
+        "largest llm prompt (UTF-8 bytes) the coordinator templates and tokenizes for KV "
+        "hints; a larger one goes to the worker as it is, whose own bound refuses it",
+        minimum=1,
+    )
     tenant_max_runs: int = setting(
         "OMNIFLOW_COORDINATOR_TENANT_MAX_RUNS",
         64,

@@ -37,6 +37,7 @@ from prometheus_client import Counter
 from omniflow.chat import Preprocessor, acached_preprocessor
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import DEFAULT_PAGE_SIZE, check_hashes
+from omniflow.prompt_size import text_bytes
 from omniflow.security.kvsalt import kv_salt
 from omniflow.security.policy import caller_tenant
 from omniflow.workers import WorkerRecord
@@ -56,6 +57,7 @@ NO_WORKERS = "fallback_no_namespace"
 NO_TOKENIZER = "fallback_no_tokenizer"
 NO_TEMPLATE = "fallback_no_template"  # a chat prompt to a model without a chat template
 ERROR = "fallback_error"
+TOO_LARGE = "fallback_too_large"  # past max_prompt_bytes: not templated or tokenized here
 
 WORKERS_REFRESH_S = 2.0
 TOKENIZER_RETRY_S = 30.0
@@ -127,9 +129,13 @@ class KVHinter:
         workers: Callable[[], Awaitable[list[WorkerRecord]]],
         *,
         refresh_s: float = WORKERS_REFRESH_S,
+        max_prompt_bytes: int = 1 << 20,
     ) -> None:
         self._list_workers = workers
         self.refresh_s = refresh_s
+        #: A prompt past this is never templated or tokenized here: the call carries the
+        #: prompt itself, and the worker refuses it by its own bound.
+        self.max_prompt_bytes = max_prompt_bytes
         self.counts: Tally[str] = Tally()
         self._workers: list[WorkerRecord] | None = None
         self._listed_at = 0.0
@@ -165,6 +171,8 @@ class KVHinter:
         return hints
 
     async def _hints(self, role: str, prompt: Prompt, namespace: str) -> tuple[str, KVHints | None]:
+        if text_bytes(prompt.text) + text_bytes(prompt.system) > self.max_prompt_bytes:
+            return TOO_LARGE, None
         model = self._model(role, await self._role_workers(role), namespace)
         if model is None:
             return NO_WORKERS, None

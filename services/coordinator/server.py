@@ -177,7 +177,7 @@ class CoordinatorApp(ServiceApp):
             self._router_stub,
             pick_timeout_s=self.settings.pick_timeout_s,
             call_timeout_s=self.settings.node_timeout_s,
-            hinter=KVHinter(self._workers),
+            hinter=KVHinter(self._workers, max_prompt_bytes=self.settings.max_prompt_bytes),
         )
         s = self.settings
         self._runs = RunManager(

@@ -33,6 +33,7 @@ from omniflow_services.gateway import access, metrics
 from omniflow_services.gateway.config import GatewaySettings
 from omniflow_services.gateway.core import GatewayCore, new_id
 from omniflow_services.gateway.errors import APIError, from_domain
+from omniflow_services.gateway.fairshare import TenantShare
 from omniflow_services.gateway.openai_api import OpenAIRoutes
 from omniflow_services.gateway.protocol import error_body
 from omniflow_services.gateway.utility_api import ROUTE_LABELS, add_routes
@@ -69,6 +70,8 @@ class Guard:
         self.max_body = settings.max_body_bytes
         self.max_in_flight = settings.max_in_flight
         self.in_flight = 0
+        #: Each tenant's share of the requests in flight and of the tokens per minute.
+        self.share = TenantShare(settings.tenant_max_in_flight, settings.tenant_tokens_per_minute)
 
     @property
     def keys(self) -> ApiKeyTable | None:
@@ -118,11 +121,20 @@ class Guard:
             metrics.IN_FLIGHT.inc()
             caller = self._caller(headers)
             entry.tenant = caller.tenant
+            refused = self.share.admit(caller.tenant)
+            if refused is not None:
+                self.in_flight -= 1
+                metrics.IN_FLIGHT.dec()
+                metrics.REFUSED.labels(refused.limit).inc()
+                err = APIError(429, refused.message, "rate_limit_error", None, refused.limit)
+                await error_response(err)(scope, receive, send_with_id)
+                return
             acting = policy.set_current(caller)
             try:
                 await self.app(scope, self._bounded(receive), send_with_id)
             finally:
                 policy.reset_current(acting)
+                self.share.release(caller.tenant)
                 self.in_flight -= 1
                 metrics.IN_FLIGHT.dec()
         finally:
@@ -241,7 +253,9 @@ def build_app(settings: GatewaySettings, core: GatewayCore, serving: Callable[[]
         app.add_api_route(path, handler, methods=["POST"])
     add_routes(app, core)  # embeddings, audio to text, tokenize, version, OpenAPI
 
-    return Guard(app, settings)
+    guard = Guard(app, settings)
+    core.share = guard.share  # the core counts each tenant's tokens into it
+    return guard
 
 
 def dumps(obj: Any) -> bytes:

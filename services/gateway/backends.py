@@ -344,7 +344,10 @@ class Backends:
 
     async def workflows(self) -> list[str]:
         req, timeout = coordinator_pb2.ListWorkflowsRequest(), self.settings.pick_timeout_s
-        reply = await self.coordinators.call(lambda s: s.ListWorkflows(req, timeout=timeout))
+        # A listing (GET /v1/models) does not wait for a coordinator: it lists without them.
+        reply = await self.coordinators.call(
+            lambda s: s.ListWorkflows(req, timeout=timeout), wait_s=0
+        )
         return [w.name for w in reply.workflows]
 
     async def workflow(self, name: str) -> WorkflowInfo:

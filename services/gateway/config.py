@@ -74,6 +74,59 @@ class GatewaySettings(CommonSettings):
         "routing strategy of llm calls (router: the router's default for the role)",
         choices=LLM_STRATEGIES,
     )
+    max_prompt_bytes: int = setting(
+        "OMNIFLOW_GATEWAY_MAX_PROMPT_BYTES",
+        1 << 20,
+        "largest prompt, refused (400) before it is templated or tokenized: text as UTF-8 "
+        "bytes (chat: the messages' text), token ids as 4 bytes each",
+        minimum=1,
+    )
+    max_header_bytes: int = setting(
+        "OMNIFLOW_GATEWAY_MAX_HEADER_BYTES",
+        32 * 1024,
+        "largest request line and headers together; larger ones get 431 before any is read",
+        minimum=1024,
+    )
+    header_timeout_s: float = setting(
+        "OMNIFLOW_GATEWAY_HEADER_TIMEOUT_S",
+        10.0,
+        "a connection's request line and headers must arrive within this (from its first "
+        "byte, or from its opening); else 408 and it is closed (slowloris)",
+        minimum=0.1,
+    )
+    body_timeout_s: float = setting(
+        "OMNIFLOW_GATEWAY_BODY_TIMEOUT_S",
+        30.0,
+        "a request's whole body must arrive within this after its headers; else 408 and the "
+        "connection is closed",
+        minimum=0.1,
+    )
+    idle_timeout_s: float = setting(
+        "OMNIFLOW_GATEWAY_IDLE_TIMEOUT_S",
+        5.0,
+        "how long a kept-alive connection may wait for its next request",
+        minimum=0.1,
+    )
+    max_connections: int = setting(
+        "OMNIFLOW_GATEWAY_MAX_CONNECTIONS",
+        1024,
+        "connections and requests open at once; past it new ones get 503",
+        minimum=1,
+    )
+    tenant_max_in_flight: int = setting(
+        "OMNIFLOW_GATEWAY_TENANT_MAX_IN_FLIGHT",
+        64,
+        "API requests one tenant (an API key's) may have in flight; more get 429 naming this "
+        "limit, other tenants are not affected; 0: only OMNIFLOW_GATEWAY_MAX_IN_FLIGHT",
+        minimum=0,
+    )
+    tenant_tokens_per_minute: int = setting(
+        "OMNIFLOW_GATEWAY_TENANT_TOKENS_PER_MINUTE",
+        0,
+        "prompt and generated tokens one tenant may use in a sliding minute; past it its new "
+        "requests get 429 naming this limit; 0: no limit",
+        minimum=0,
+    )
     failover_wait_s: float = setting(
         "OMNIFLOW_GATEWAY_FAILOVER_WAIT_S",
         10.0,

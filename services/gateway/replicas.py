@@ -103,10 +103,11 @@ class Replicas(Generic[S]):
         """The stub of the replica to use now (for calls that handle failures themselves)."""
         return self.stub(self.order(await self.addresses())[0])
 
-    async def call(self, fn: Callable[[S], Awaitable[T]]) -> T:
-        """``await fn(stub)`` on a replica, failing over and waiting as the module says."""
+    async def call(self, fn: Callable[[S], Awaitable[T]], wait_s: float | None = None) -> T:
+        """``await fn(stub)`` on a replica, failing over and waiting as the module says
+        (``wait_s``: how long, instead of the setting; 0 tries each replica once)."""
         loop = asyncio.get_running_loop()
-        end = loop.time() + self.wait_s
+        end = loop.time() + (self.wait_s if wait_s is None else wait_s)
         delay = BACKOFF_S
         while True:
             try:
@@ -126,8 +127,8 @@ class Replicas(Generic[S]):
                     return result
             if loop.time() + delay > end:
                 raise Unavailable(
-                    f"no {self.service} answered within {self.wait_s:.1f} s "
-                    f"(OMNIFLOW_GATEWAY_FAILOVER_WAIT_S): {error}"
+                    f"no {self.service} answered (tried for {self.wait_s:.1f} s at most, "
+                    f"OMNIFLOW_GATEWAY_FAILOVER_WAIT_S): {error}"
                 ) from error
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAX_BACKOFF_S)

@@ -18,6 +18,7 @@ import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -81,11 +82,14 @@ async def serve(settings: GatewaySettings) -> int:
     port = sock.getsockname()[1]
     config = uvicorn.Config(
         app,
+        http=_http_protocol(settings),
         log_level=settings.log_level.lower(),
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
-        h11_max_incomplete_event_size=settings.max_body_bytes,
+        timeout_keep_alive=max(int(settings.idle_timeout_s), 1),
+        limit_concurrency=settings.max_connections,
+        h11_max_incomplete_event_size=settings.max_header_bytes,  # the h11 fallback's bound
     )
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -129,6 +133,20 @@ async def serve(settings: GatewaySettings) -> int:
     await registry.close()
     log.info("gateway stopped")
     return 0
+
+
+def _http_protocol(settings: GatewaySettings) -> Any:
+    """uvicorn's httptools protocol with the header, header-time and body-time bounds
+    (``http_bounds``); without httptools, h11 (its event size bounds the headers)."""
+    try:
+        from omniflow_services.gateway.http_bounds import HttpLimits, bounded_protocol
+    except ImportError:  # no httptools: uvicorn's pure-Python h11
+        log.warning("httptools is not installed: header and body read timeouts are off")
+        return "h11"
+    limits = HttpLimits(
+        settings.max_header_bytes, settings.header_timeout_s, settings.body_timeout_s
+    )
+    return bounded_protocol(limits)
 
 
 def _write_ready(path: Path, instance: ServiceInstance) -> None:

@@ -34,8 +34,9 @@ class WorkerSettings(CommonSettings):
     max_prompt_bytes: int = setting(
         "OMNIFLOW_WORKER_MAX_PROMPT_BYTES",
         1 << 20,
-        "largest text or chat-messages prompt, in bytes, refused before it is tokenized (the "
-        "context length bounds its tokens after)",
+        "largest prompt, in bytes, refused before it is tokenized: text as UTF-8, chat "
+        "messages serialized, token ids as 4 bytes each (the context length bounds its "
+        "tokens after)",
         minimum=1,
     )
     engine: str = setting(

@@ -14,6 +14,7 @@ from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.errors import InvalidArgument
 from omniflow.finish import finish_to_proto
 from omniflow.kv.wire import layout_to_proto
+from omniflow.prompt_size import check_prompt_size, ids_bytes, text_bytes
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import unimplemented
 from omniflow.workers import WORKER_SERVICE, worker_metadata
@@ -47,20 +48,19 @@ def chat_messages(messages: worker_pb2.ChatMessages) -> list[dict[str, Any]]:
 
 
 def check_prompt_bytes(request: worker_pb2.GenerateRequest, most: int) -> None:
-    """A text or messages prompt past ``most`` bytes is refused before tokenizing: tokenizing
-    20 MB took 16 s and grew the worker by 4.6 GB, for a prompt the context cannot hold."""
+    """A prompt past ``most`` bytes (``omniflow.prompt_size``: text, messages or token ids,
+    4 bytes each) is refused before anything is done with it: tokenizing 20 MB took 16 s and
+    grew the worker by 4.6 GB, for a prompt the context cannot hold."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        size = len(request.text.encode())
+        size = text_bytes(request.text)
     elif kind == "messages":
         size = request.messages.ByteSize()
+    elif kind == "token_ids":
+        size = ids_bytes(request.token_ids.ids)
     else:
         return
-    if size > most:
-        raise InvalidArgument(
-            f"the {kind} prompt is {size} bytes, more than the largest accepted, {most} "
-            "(raise it with OMNIFLOW_WORKER_MAX_PROMPT_BYTES)"
-        )
+    check_prompt_size(size, most, "OMNIFLOW_WORKER_MAX_PROMPT_BYTES", f"the {kind} prompt")
 
 
 async def prompt_ids(llm: LLMRole, request: worker_pb2.GenerateRequest) -> list[int]:

@@ -166,3 +166,19 @@ async def test_caller_errors_never_open_a_breaker(
         ] * 3
         await rstub.ReportOutcomes(router_pb2.ReportOutcomesRequest(outcomes=faults))
         assert (await _breakers(router))[workers[0]] == "open"
+
+
+async def test_the_coordinator_does_not_tokenize_a_prompt_past_its_bound() -> None:
+    from omniflow_services.coordinator.kvhints import NO_WORKERS, TOO_LARGE, KVHinter
+
+    listed: list[str] = []
+
+    async def workers() -> list:
+        listed.append("asked")  # the first step of hinting: finding the model's workers
+        return []
+
+    hinter = KVHinter(workers, max_prompt_bytes=1000)
+    assert await hinter.hints("llm", "é" * 600) is None  # 1200 bytes of UTF-8
+    assert hinter.counts[TOO_LARGE] == 1 and not listed  # refused before any work
+    assert await hinter.hints("llm", "short") is None
+    assert hinter.counts[NO_WORKERS] == 1 and listed  # the control: a small one goes on

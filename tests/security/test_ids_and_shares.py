@@ -66,6 +66,21 @@ async def test_abort_of_another_tenants_request_id_finds_nothing(secured) -> Non
         assert sum(len(c.token_ids) for c in chunks) < 64
 
 
+async def test_a_worker_bounds_a_prompt_of_token_ids(secured) -> None:
+    # 300 000 ids are 1.2 MB as u32: past the worker's 1 MiB bound, refused before any work.
+    request = worker_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=[7] * 300_000),
+        sampling=common_pb2.SamplingParams(max_tokens=1),
+    )
+    async with secured.channel("router", token="a") as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Generate(request, timeout=60):
+                pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "OMNIFLOW_WORKER_MAX_PROMPT_BYTES" in err.value.details()
+
+
 def _upper(name: str) -> coordinator_pb2.RegisterWorkflowRequest:
     wf = Workflow(name)
     wf.output("text", wf.call("u", "echo", "upper", text=wf.input("text", VType.TEXT))["text"])
