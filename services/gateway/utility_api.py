@@ -50,6 +50,7 @@ from omniflow_services.gateway.protocol import (
     SpeechRequest,
 )
 from omniflow_services.gateway.replies import param_model
+from omniflow_services.gateway.tool_calls import RESERVED_TEMPLATE_KWARGS
 
 #: Paths of the routes this module adds → the guard's route label (request counts).
 ROUTE_LABELS = {
@@ -155,6 +156,12 @@ class UtilityRoutes:
             if req.tools:
                 options["tools"] = req.tools
             if req.chat_template_kwargs:
+                for key in req.chat_template_kwargs:
+                    if key in RESERVED_TEMPLATE_KWARGS:
+                        raise bad_request(
+                            f"chat_template_kwargs.{key}: set it with the request's own field",
+                            f"chat_template_kwargs.{key}",
+                        )
                 options["template_kwargs"] = req.chat_template_kwargs
             add_prompt = req.add_generation_prompt and not req.continue_final_message
             text = pre.render_chat(messages, add_prompt, **options)

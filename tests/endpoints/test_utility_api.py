@@ -66,6 +66,19 @@ def test_tokenize_chat_equals_apply_chat_template(http, hf_tok) -> None:
         },
     )
     assert both.status_code == 400 and "continue_final_message" in both.text
+    reserved = http.post(
+        "/tokenize",
+        json={"model": LLM, "messages": MESSAGES, "chat_template_kwargs": {"messages": []}},
+    )
+    assert reserved.json()["error"]["param"] == "chat_template_kwargs.messages"
+    # continue_final_message: the last (assistant) message is continued, as transformers does
+    prefill = [*MESSAGES, {"role": "assistant", "content": "A KV cache"}]
+    cont = http.post(
+        "/tokenize",
+        json={"model": LLM, "messages": prefill, "continue_final_message": True},
+    ).json()["tokens"]
+    want = hf_tok.apply_chat_template(prefill, continue_final_message=True, tokenize=True)
+    assert cont == list(want["input_ids"] if hasattr(want, "keys") else want)
 
 
 def test_detokenize_equals_decode(http, hf_tok) -> None:
