@@ -74,7 +74,7 @@ class EmbedRole:
     @classmethod
     async def load(cls, folder: Path, device: str, max_seqs: int) -> EmbedRole:
         role = await asyncio.to_thread(cls, folder, device, max_seqs)
-        await role.embed_ids([[101, 102]])  # warm-up: the first forward pays the allocations
+        await role.embed_texts(["warm up"])  # the first forward pays the allocations
         return role
 
     @property
