@@ -162,3 +162,10 @@ def _engine_samples(core: WorkerCore) -> Iterator[Sample]:
             ),
         )
     )
+    grammars = getattr(engine, "grammars", None)
+    doc = "Structured-output requests by how their constraint was served (compiled, cached, failed)"
+    for result, count in grammars.counts.items() if grammars is not None else ():
+        yield Sample(
+            "omniflow_worker_grammar_compiles_total", doc, count, (("result", result),), True
+        )
+        doc = ""  # the help text once per series

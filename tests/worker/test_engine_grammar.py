@@ -149,3 +149,16 @@ def test_compiled_grammars_are_cached(engine: Engine) -> None:
     m1, m2 = g.matcher(so), g.matcher(so)
     assert m1.accept(engine.tokenizer.token_to_id("a"))
     assert m1.matcher is not m2.matcher  # one matcher per request
+
+
+def test_the_cache_counts_requests_by_how_they_were_served(engine: Engine) -> None:
+    g: Grammars = engine.grammars
+    before = dict(g.counts)
+    so = StructuredOutput("regex", "[0-9]{2}")
+    g.compile(so)  # the worker compiles off the loop first, then the engine takes a matcher
+    g.matcher(so)
+    g.matcher(so)
+    with pytest.raises(InvalidArgument):
+        g.compile(StructuredOutput("regex", "[0-9"))
+    got = {k: g.counts[k] - before[k] for k in before}
+    assert got == {"compiled": 1, "cached": 1, "failed": 1}

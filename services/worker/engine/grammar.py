@@ -88,6 +88,10 @@ class Grammars:
         self._compiler: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
+        #: Requests by how their constraint was served: compiled for them, cached (a hit),
+        #: failed (refused).
+        self.counts = {"compiled": 0, "cached": 0, "failed": 0}
+        self._fresh: set[tuple[str, str]] = set()  # compiled, not yet counted for a request
 
     def _get_compiler(self) -> Any:
         with self._lock:
@@ -113,19 +117,21 @@ class Grammars:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        so.validate(f"structured.{so.kind}")
-        compiler = self._get_compiler()
         try:
-            compiled = self._compile(compiler, so)
+            so.validate(f"structured.{so.kind}")
+            compiled = self._compile(self._get_compiler(), so)
         except InvalidArgument:
+            self.counts["failed"] += 1
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses
+            self.counts["failed"] += 1
             # xgrammar's messages start with a time and its C++ source line: drop those.
             detail = _WHERE.sub("", str(exc).strip().split("\n")[0]) or type(exc).__name__
             raise InvalidArgument(
                 f"structured.{so.kind}: the {_NOUNS[so.kind]} does not compile: {detail}"
             ) from None
         with self._lock:
+            self._fresh.add(key)
             self._cache[key] = compiled
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
@@ -149,7 +155,13 @@ class Grammars:
 
     def matcher(self, so: StructuredOutput) -> GrammarState:
         """A fresh matcher for one request (compiling ``so`` unless cached)."""
-        return GrammarState(_xgr().GrammarMatcher(self.compile(so)))
+        compiled = self.compile(so)
+        key = (so.kind, so.spec)
+        with self._lock:
+            fresh = key in self._fresh
+            self._fresh.discard(key)
+            self.counts["compiled" if fresh else "cached"] += 1
+        return GrammarState(_xgr().GrammarMatcher(compiled))
 
 
 _NOUNS = {
