@@ -10,6 +10,13 @@ doubles per crash (``BACKOFF_S`` up to ``MAX_BACKOFF_S``) and resets once a proc
 stayed up ``STABLE_S``. Redis restarts on its own port and data folder, so it loads its
 append-only file back. Restarts are counted in ``state.json`` (``omniflow status`` shows
 them); the supervisor's log is ``logs/supervisor.log``.
+
+A port is kept whenever it is free (checked by binding it), however often the process
+died; only a port another process took is given up. The supervisor's own record of the
+processes is authoritative once read: when ``state.json`` cannot be written (a full disk)
+it goes on from memory, says so in its log (once a minute), and writes the file once it
+can — a restarted process is started once and counted once, never respawned on every
+pass. A restart that cannot start (no space for its files) waits its backoff like a crash.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +41,7 @@ POLL_S = 0.25
 BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 STABLE_S = 30.0
+REPORT_EVERY_S = 60.0  # how often a state file that cannot be written is reported
 
 
 @dataclass(slots=True)
@@ -60,6 +69,19 @@ def _port(address: str) -> str:
     return address.rsplit(":", 1)[-1] if ":" in address and "//" not in address else ""
 
 
+def _port_free(address: str) -> bool:
+    """Whether ``address``'s port can be bound again (as a gRPC server binds it)."""
+    host, _, port = address.rpartition(":")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]") or "127.0.0.1", int(port)))
+        except (OSError, ValueError):
+            return False
+    return True
+
+
 class Supervisor:
     """Restarts the dead processes of one run folder (see the module docstring)."""
 
@@ -67,10 +89,35 @@ class Supervisor:
         self.folder = folder
         self.stopping = False
         self._watch: dict[str, _Watch] = {}
+        self._state: tuple[list[local.Proc], dict[str, str]] | None = None
+        self._unsaved = False  # the last write of state.json failed: retried every pass
+        self._reported = -REPORT_EVERY_S  # when an unwritable state file was last logged
+
+    def _load(self) -> tuple[list[local.Proc], dict[str, str]]:
+        # Read once: from then on this supervisor's record is the truth (it alone changes
+        # the file while it runs), so a file it could not write costs no double restart.
+        if self._state is None:
+            self._state = local._load_state(self.folder)
+        return self._state
+
+    def _save(self, procs: list[local.Proc], env: dict[str, str]) -> None:
+        try:
+            local._save_state(self.folder, procs, env, supervisor=os.getpid())
+        except OSError as exc:
+            self._unsaved = True
+            now = time.monotonic()
+            if now - self._reported >= REPORT_EVERY_S:
+                self._reported = now
+                log.error("cannot write %s (%s; a full disk?): going on from memory, "
+                          "written once it can be", self.folder / local.STATE, exc)  # fmt: skip
+            return
+        if self._unsaved:
+            log.warning("%s written again", self.folder / local.STATE)
+        self._unsaved = False
 
     def poll_once(self) -> int:
         """One pass: restart what is due; returns how many were restarted."""
-        procs, env = local._load_state(self.folder)
+        procs, env = self._load()
         now = time.monotonic()
         restarted = 0
         changed = False
@@ -89,13 +136,19 @@ class Supervisor:
                 continue
             if now - watch.started < 5.0 and proc.address:
                 watch.port_failures += 1  # died during its start: perhaps its port is taken
-            self._restart(proc, env)
-            watch.started, watch.down_since = time.monotonic(), None
             watch.backoff_s = min(watch.backoff_s * 2, MAX_BACKOFF_S)
+            try:
+                self._restart(proc, env)
+            except OSError as exc:  # no space for its log or ready file: wait, then retry
+                log.error("cannot restart %s (%s); next try in %.1f s", proc.name, exc,
+                          watch.backoff_s)  # fmt: skip
+                watch.down_since = time.monotonic()
+                continue
+            watch.started, watch.down_since = time.monotonic(), None
             restarted += 1
             changed = True
-        if changed:
-            local._save_state(self.folder, procs, env, supervisor=os.getpid())
+        if changed or self._unsaved:
+            self._save(procs, env)
         _reap()
         return restarted
 
@@ -125,7 +178,9 @@ class Supervisor:
         else:
             extra = dict(proc.env)
             port = _port(proc.address)
-            if port and self._watch[proc.name].port_failures < 2:
+            # Its old port whenever it is free (clients hold channels to that address);
+            # after starts that died twice, only if no other process took it meanwhile.
+            if port and (self._watch[proc.name].port_failures < 2 or _port_free(proc.address)):
                 extra["OMNIFLOW_PORT"] = port
             proc.pid = local._spawn(self.folder, proc.name, proc.service, extra).pid
         proc.restarts += 1
