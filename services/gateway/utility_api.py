@@ -135,7 +135,7 @@ class UtilityRoutes:
         body = await request.body()
         try:
             raw = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past Python's limit: not a request
             raise bad_request("the request body is not valid JSON") from None
         cls = TokenizeChatRequest if isinstance(raw, dict) and "messages" in raw else None
         try:

@@ -28,12 +28,21 @@ ROUTES = (
     ("GET", "/v1/models/{junk}"),
     ("GET", "/health"),
     ("DELETE", "/v1/completions"),
+    ("POST", "/v1/embeddings"),
+    ("POST", "/v1/audio/transcriptions"),
+    ("POST", "/v1/audio/translations"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/version"),
+    ("GET", "/openapi.json"),
 )
 _FIELDS = (
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "n", "stream", "stop", "seed", "logprobs", "top_logprobs", "presence_penalty",
     "frequency_penalty", "logit_bias", "user", "stream_options", "response_format", "tools",
     "size", "input", "voice", "response_format", "speed", "echo", "suffix", "best_of",
+    "encoding_format", "dimensions", "tokens", "add_special_tokens", "return_token_strs",
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
 )  # fmt: skip
 
 
