@@ -5,6 +5,7 @@ in both; plus what the gateway adds over calling the worker's gRPC Generate dire
     python bench/serve_openai.py                       # everything (a few minutes)
     python bench/serve_openai.py --concurrency 1,4 --skip-vllm
     python bench/serve_openai.py --parts cross --engine vllm   # two workers, vLLM engine
+    python bench/serve_openai.py --parts load --aiperf          # plus aiperf's fixed-length rows
 
 The servers are started by ``serve_stack.py``, this module generates the load and prints
 the table. It starts and stops everything itself, by PID: for Omni-Flow a private Redis, kv-index,
@@ -24,6 +25,11 @@ core. Workloads (streamed chat, ``stream_options.include_usage``, greedy):
   vLLM's baseline is two of its OpenAI servers with the turns alternating between them
   (round robin): its prefix cache cannot cross servers, so the later turns recompute.
   Each worker or server gets ``--cross-threads`` threads (default half the cores);
+* fixed-length rows by aiperf (``--aiperf``; ``aiperf_rows.py``, its own venv from
+  ``scripts/setup_aiperf_venv.sh``): per concurrency level, ``--aiperf-requests`` streamed
+  chats of ``--aiperf-isl`` synthetic prompt tokens asked for ``--aiperf-osl`` tokens with
+  ``ignore_eos``, so both servers write exactly that many: TTFT p50/p99, ITL p50, output
+  tok/s, and the output lengths and errors aiperf counted;
 * gateway overhead: the same 1-token chat through the gateway (raw HTTP, no SDK) and as
   token ids straight to the worker's ``Generate``, interleaved: the median paired
   difference of time to first token, with the router's Pick and the template+tokenize
@@ -45,6 +51,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiperf_rows
 from openai import AsyncOpenAI
 from serve_stack import (
     MODEL,
@@ -332,6 +339,13 @@ async def workloads(url: str, args: argparse.Namespace) -> dict[str, dict[str, f
     for i, conc in enumerate(args.concurrency if "load" in args.parts else ()):
         out[f"c{conc}"] = await load_level(url, conc, args.max_tokens, offset=7 * i)
         print(f"  concurrency {conc}: {out[f'c{conc}']}  (load {load_avg()})", flush=True)
+    for conc in args.concurrency if args.aiperf else ():
+        row = await asyncio.to_thread(
+            aiperf_rows.profile, url, MODEL, args.tokenizer, concurrency=conc,
+            requests=args.aiperf_requests, isl=args.aiperf_isl, osl=args.aiperf_osl,
+        )  # fmt: skip
+        out[f"aiperf c{conc}"] = row.as_dict()
+        print(f"  aiperf concurrency {conc}: {row}  (load {load_avg()})", flush=True)
     if "chat" in args.parts:
         out["chat"] = await multi_turn(
             [(url, MODEL)], args.conversations, args.turns, args.chat_max_tokens
@@ -378,6 +392,16 @@ def table(ours: dict, ref: dict, over: dict | None, loads: list[str], args) -> s
         add(w, "TTFT p99 ms", "ttft_p99")
         add(w, "ITL p50 ms", "itl_p50")
         add(w, "output tok/s", "tok_s")
+    for conc in args.concurrency if args.aiperf else ():
+        w = f"aiperf c{conc}"
+        add(w, f"TTFT p50 ms (isl {args.aiperf_isl})", "ttft_p50")
+        add(w, "TTFT p99 ms", "ttft_p99")
+        add(w, "ITL p50 ms", "itl_p50")
+        add(w, f"output tok/s (osl {args.aiperf_osl})", "tok_s")
+        add(w, "completion tokens min", "completion_min", "{:.0f}")
+        add(w, "completion tokens max", "completion_max", "{:.0f}")
+        add(w, "aiperf's length mismatches", "osl_mismatches", "{:.0f}")
+        add(w, "errors", "errors", "{:.0f}")
     for work, what in (("chat", ""), ("cross", "2 workers: ")):
         if work in args.parts:
             add(work, f"{what}later-turn TTFT p50 ms", "ttft_p50")
@@ -437,6 +461,10 @@ def main() -> int:
         type=lambda s: [x for x in s.split(",") if x],
         help=f"which workloads, of {','.join(PARTS)}",
     )
+    ap.add_argument("--aiperf", action="store_true", help="add aiperf's fixed-length rows")
+    ap.add_argument("--aiperf-isl", type=int, default=128, help="aiperf prompt tokens")
+    ap.add_argument("--aiperf-osl", type=int, default=32, help="aiperf output tokens (exact)")
+    ap.add_argument("--aiperf-requests", type=int, default=16, help="per concurrency level")
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument(
@@ -455,6 +483,11 @@ def main() -> int:
     from omniflow.models.resolve import resolve_model
 
     folder = resolve_model(MODEL, args.models_dir.expanduser())
+    args.tokenizer = folder  # aiperf's synthetic prompts are counted in the model's tokens
+    if args.aiperf and aiperf_rows.find_aiperf() is None:
+        ap.error(
+            f"--aiperf: no aiperf at {aiperf_rows.DEFAULT_AIPERF}; scripts/setup_aiperf_venv.sh"
+        )
     single = bool({"load", "chat", "overhead"} & set(args.parts))
     loads = [f"start {load_avg()}"]
     ours: dict = {}
