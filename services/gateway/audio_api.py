@@ -34,7 +34,7 @@ from omniflow_services.gateway.endpoint_shapes import (
     TranscriptionVerbose,
     TranslationRequest,
 )
-from omniflow_services.gateway.errors import bad_request, from_validation
+from omniflow_services.gateway.errors import APIError, bad_request, from_validation
 from omniflow_services.gateway.replies import param_model, whole
 
 OPENAI_NAME = "whisper-1"  # what OpenAI clients send; any Whisper here answers it
@@ -83,6 +83,10 @@ async def _form(request: Request, cls: type[BaseModel]) -> Any:
     fields: dict[str, Any] = {}
     try:
         for key, value in form.multi_items():
+            if key == "file" and not isinstance(value, UploadFile):
+                raise bad_request(
+                    "file must be an uploaded file (a form part with a filename)", "file"
+                )
             if isinstance(value, UploadFile):
                 value = await value.read()
             if key.endswith("[]"):
@@ -165,7 +169,12 @@ class AudioRoutes:
         arrived = request.state.arrived
         workers = await param_model(self._workers(req.model))
         call = self.core.invoke(req.model, "encoder", "transcribe", inputs, workers)
-        out = await whole(request, param_model(call))
+        try:
+            out = await whole(request, param_model(call))
+        except APIError as err:  # the worker names its input; the client sent it as `file`
+            if err.status == 400 and "inputs.audio" in err.message:
+                err.message, err.param = err.message.replace("inputs.audio", "file"), "file"
+            raise
         if out is None:
             return Response(status_code=499)
         duration = float(out.get("duration", 0.0))

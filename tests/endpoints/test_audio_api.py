@@ -132,8 +132,9 @@ def test_errors_are_openais(client, clips, endpoints: Endpoints) -> None:
         client.audio.transcriptions.create(
             file=("b.wav", wav), model=WHISPER, response_format="mp3"
         )
-    with pytest.raises(openai.BadRequestError, match="not a decodable audio file"):
+    with pytest.raises(openai.BadRequestError, match="file: not a decodable audio file") as bad:
         client.audio.transcriptions.create(file=("b.wav", b"not audio at all"), model=WHISPER)
+    assert bad.value.body["param"] == "file"
     with pytest.raises(openai.NotFoundError) as nf:
         client.audio.transcriptions.create(file=("b.wav", wav), model="no-such-whisper")
     assert nf.value.body["param"] == "model"
@@ -147,3 +148,23 @@ def test_errors_are_openais(client, clips, endpoints: Endpoints) -> None:
     assert r.status_code == 400 and "file" in json.dumps(r.json()["error"])
     listed = {m.id: m.owned_by for m in client.models.list()}
     assert listed[WHISPER] == "omniflow:encoder"
+    # Malformed forms are 400s naming the field, never a 500.
+    for files, param in (
+        ({"file": (None, "plain text, not a file"), "model": (None, WHISPER)}, "file"),
+        ({"file": ("b.wav", wav), "model": (None, WHISPER), "temperature": (None, "hot")}, None),
+        ({"file": ("b.wav", wav), "model": (None, WHISPER), "temperature": (None, "7")}, None),
+        ({"file": ("b.wav", wav), "model": (None, WHISPER), "model2": (None, "x")}, None),
+        ({"file": ("b.wav", b""), "model": (None, WHISPER)}, "file"),
+    ):
+        r = httpx.post(url, files=files, headers=auth, timeout=60)
+        assert r.status_code == 400, (files.keys(), r.text)
+        if param:
+            assert r.json()["error"]["param"] == param
+    broken = b"--xyz\r\nContent-Disposition: form-data; name=file\r\n\r\nabc"  # no end
+    r = httpx.post(
+        url,
+        content=broken,
+        headers={**auth, "content-type": "multipart/form-data; boundary=xyz"},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
