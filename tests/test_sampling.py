@@ -101,12 +101,15 @@ def test_defaults_are_decided_once() -> None:
 
 
 def test_max_tokens_is_resolved_against_the_context() -> None:
+    """vLLM 0.32's rules: unset is the room the prompt leaves, more than the room is cut to
+    it, more than the whole context is refused."""
     p = SamplingParams()
     assert p.resolved(10, 100).max_tokens == 90
     assert SamplingParams(max_tokens=90).resolved(10, 100).max_tokens == 90
+    assert SamplingParams(max_tokens=100).resolved(10, 100).max_tokens == 90
     with pytest.raises(SamplingError) as err:
-        SamplingParams(max_tokens=91).resolved(10, 100)
-    assert err.value.field == "max_tokens" and "exceeds the context length 100" in str(err.value)
+        SamplingParams(max_tokens=101).resolved(10, 100)
+    assert err.value.field == "max_tokens" and "context length 100" in str(err.value)
     with pytest.raises(SamplingError) as err:
         p.resolved(100, 100)
     assert err.value.field == "prompt"

@@ -8,7 +8,8 @@ vLLM's (``vllm/sampling_params.py``); every default is decided here, once:
 
 - ``max_tokens`` unset (``None``, 0 on the wire): up to the context, that is
   ``context - prompt`` tokens, decided by ``resolved`` where the context is known (the
-  engine); a ``max_tokens`` beyond it is refused naming the field.
+  engine); more than that room is cut to it, more than the whole context is refused naming
+  the field (vLLM 0.32's rules).
 - a workflow node's params that leave them unset get ``NODE_DEFAULTS`` (greedy, 64 tokens):
   a node is a step of a pipeline, not a chat.
 
@@ -223,8 +224,16 @@ class SamplingParams:
 
     def resolved(self, prompt_len: int, context_len: int) -> SamplingParams:
         """These params with ``max_tokens`` decided for a prompt of ``prompt_len`` tokens in a
-        context of ``context_len``: unset means all the room left; more than the room is a
-        ``SamplingError`` naming ``max_tokens``."""
+        context of ``context_len``, as vLLM 0.32 decides it: unset means all the room the
+        prompt leaves; more than the room is cut to the room; more than the whole context is
+        a ``SamplingError`` naming ``max_tokens`` (and a prompt that leaves no room one
+        naming the prompt)."""
+        if self.max_tokens is not None and self.max_tokens > context_len:
+            raise SamplingError(
+                "max_tokens",
+                f"max_tokens={self.max_tokens} cannot be greater than the context length "
+                f"{context_len}: ask for fewer output tokens",
+            )
         room = context_len - prompt_len
         if room < 1:
             raise SamplingError(
@@ -232,22 +241,14 @@ class SamplingParams:
                 f"the prompt has {prompt_len} tokens; the context length is {context_len} "
                 "(prompt must be shorter to leave room for output)",
             )
-        if self.max_tokens is None:
-            if self.min_tokens > room:
-                raise SamplingError(
-                    "min_tokens",
-                    f"min_tokens ({self.min_tokens}) is more than the {room} tokens the "
-                    f"context length {context_len} leaves after the {prompt_len}-token prompt",
-                )
-            return replace(self, max_tokens=room)
-        if self.max_tokens > room:
+        max_tokens = room if self.max_tokens is None else min(self.max_tokens, room)
+        if self.min_tokens > max_tokens:
             raise SamplingError(
-                "max_tokens",
-                f"max_tokens is too large: prompt ({prompt_len} tokens) + max_tokens "
-                f"({self.max_tokens}) = {prompt_len + self.max_tokens} exceeds the context "
-                f"length {context_len}",
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) is more than the {max_tokens} tokens the "
+                f"context length {context_len} leaves after the {prompt_len}-token prompt",
             )
-        return self
+        return self if max_tokens == self.max_tokens else replace(self, max_tokens=max_tokens)
 
     def with_eos(self, eos_token_ids: tuple[int, ...] | list[int]) -> SamplingParams:
         """These params with the model's EOS ids among the stop ids, unless ``ignore_eos``

@@ -43,6 +43,8 @@ class VLLMServer:
             "--model", str(model), "--served-model-name", SERVED_NAME,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
             "--max-model-len", "4096", "--seed", "0",
+            # No torch.compile warm-up (minutes on a small shared CPU), as the worker starts it.
+            "--enforce-eager",
             # The model folder's generation_config.json sets no sampling defaults; say so
             # anyway, so that a request's unset fields are vLLM's own defaults, as ours are.
             "--generation-config", "vllm",

@@ -46,7 +46,7 @@ def req(rid: str = "r", prompt: list[int] | None = None, **params: object) -> Ge
         (req(max_tokens=0), "max_tokens must be >= 1"),
         (req(stop_token_ids=(VOCAB + 3,)), f"[0, {VOCAB})"),
         (req(prompt=[5] * 128), "context length is 128"),
-        (req(prompt=[5] * 100, max_tokens=40), "exceeds the context length 128"),
+        (req(prompt=[5] * 100, max_tokens=129), "greater than the context length 128"),
     ],
 )
 def test_bad_input_names_the_limit(engine: Engine, request_: GenerateRequest, needle: str) -> None:

@@ -150,14 +150,13 @@ class Engine:
                 f"[0, {vocab}) and no media embeddings are given for that position"
             )
         req.params.validate(vocab)
-        # Unset max_tokens: up to the context, or to what the pool holds when that is less
-        # (a prompt the pool cannot hold at all meets the pool's check below).
-        cap = min(self.max_model_len, self.pool.num_pages * self.layout.page_size)
-        if req.params.max_tokens is None and len(ids) < cap:
-            params = req.params.resolved(len(ids), cap)
-        else:
-            params = req.params.resolved(len(ids), self.max_model_len)
+        params = req.params.resolved(len(ids), self.max_model_len)
         assert params.max_tokens is not None
+        # Unset: nor past what the pool holds, when that is less than the context (a prompt
+        # the pool cannot hold, or an explicit max_tokens it cannot, meets the check below).
+        cap = self.pool.num_pages * self.layout.page_size - len(ids)
+        if req.params.max_tokens is None and 0 < cap < params.max_tokens:
+            params = replace(params, max_tokens=cap)
         total = len(ids) + params.max_tokens
         pages = -(-total // self.layout.page_size)
         if pages > self.pool.num_pages:
