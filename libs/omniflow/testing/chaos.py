@@ -5,10 +5,11 @@ The topology serves TEST echo workers (fake compute, no model), so a run costs l
 an llm "generation" streams ``echo: <prompt>`` word by word — or, with ``model`` (e.g.
 ``smollm2-135m-instruct``), real llm workers: the engine on real weights, greedy, a few
 tokens per request, sharing KV through the kv-agent. Load is a mix of workflow
-runs (client → coordinator → router → worker) and direct generations (client → the
-router's worker proxy → worker), all greedy, each checked against the answer recorded
-before any fault. One phase per service: while requests are in flight, that service is
-SIGKILLed; the supervisor restarts it with nobody's help.
+runs (client → coordinator → router → worker), direct generations (client → the
+router's worker proxy → worker) and OpenAI completions (client → gateway → router's Pick →
+worker), all greedy, each checked against the answer recorded before any fault. One
+phase per service: while requests are in flight, that service is SIGKILLed; the
+supervisor restarts it with nobody's help.
 
 Each request ends as one of:
 
@@ -49,7 +50,7 @@ from omniflow.dsl import Retry, VType, Workflow
 from omniflow.errors import OmniflowError
 from omniflow.localredis import redis_client
 from omniflow.rpc.client import open_channel
-from omniflow.security.local import use_local_security
+from omniflow.security.local import client_record, use_local_security
 from omniflow.security.transport import configure as configure_security
 
 KILL_ORDER = ("llm-1", "kv-agent", "router", "coordinator", "kv-index", "redis")
@@ -91,6 +92,10 @@ def chaos_workflow(max_tokens: int = 0) -> Workflow:
     )  # fmt: skip
     wf.output("text", reply["text"])
     return wf
+
+
+class GatewayError(Exception):
+    """The gateway answered with another status than 200."""
 
 
 @dataclass(slots=True)
@@ -150,6 +155,11 @@ class LocalTopology:
         self.root.mkdir(parents=True, exist_ok=True)
         topology = self.root / "topology.yaml"
         worker = "program: echo"
+        if not self.model:  # the gateway tokenizes for the echo model with a tiny tokenizer
+            from omniflow.models.tiny import make_tiny
+
+            make_tiny("qwen2", self.root / "models" / "echo")
+            self.env["OMNIFLOW_MODELS_DIR"] = str(self.root / "models")
         if self.model:  # one torch thread each; a small KV pool (prompts are short)
             env = "{OMNIFLOW_WORKER_TORCH_THREADS: '1', OMNIFLOW_WORKER_KV_BYTES: '33554432'}"
             worker = f'model: "{self.model}", env: {env}'
@@ -192,6 +202,11 @@ class LocalTopology:
         """Addresses of every replica of ``service``, the first-started first."""
         return [str(p["address"]) for p in self.procs().values() if p["service"] == service]
 
+    @property
+    def served_model(self) -> str:
+        """The model name the gateway serves the llm workers' model as."""
+        return Path(self.model).name if self.model else "echo"
+
 
 class Load:
     """The two kinds of request, each with the retries of a well-behaved client."""
@@ -210,6 +225,9 @@ class Load:
         self.coordinators = ",".join(topo.addresses("coordinator"))
         self.expected: dict[str, str] = {}  # workflow answers, recorded before any fault
         self.expected_direct: dict[str, str] = {}  # direct answers (a real model's may differ)
+        self.expected_gateway: dict[str, str] = {}  # completions through the gateway
+        self.gateway_url = topo.addresses("gateway")[0]
+        self.gateway_key = client_record(topo.run_dir).get("gateway_api_key", "")
         self.run_ids: list[str] = []
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s  # of one direct generation
@@ -286,6 +304,41 @@ class Load:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
         return "lost", why
 
+    async def _complete_once(self, prompt: str, timeout_s: float) -> str:
+        import httpx  # a test harness: the dev extra's HTTP client
+
+        body: dict[str, Any] = {"model": self.topo.served_model, "prompt": prompt}
+        body["temperature"] = 0.0
+        if self.max_tokens:
+            body["max_tokens"] = self.max_tokens
+        headers = {"authorization": f"Bearer {self.gateway_key}"} if self.gateway_key else {}
+        async with httpx.AsyncClient(timeout=timeout_s) as http:
+            reply = await http.post(
+                f"{self.gateway_url}/v1/completions", json=body, headers=headers
+            )
+        if reply.status_code != 200:
+            raise GatewayError(f"HTTP {reply.status_code}: {reply.text[:200]}")
+        return str(reply.json()["choices"][0]["text"])
+
+    async def gateway(self, prompt: str, retries: int = RETRIES) -> tuple[str, str]:
+        """(outcome, detail) of one completion through the gateway; an answer that is not a
+        200 (or no answer) is retried with backoff, as a well-behaved client does."""
+        backoff = 0.25
+        why = ""
+        for attempt in range(retries + 1):
+            try:
+                text = await self._complete_once(prompt, self.timeout_s)
+            except (GatewayError, OSError, TimeoutError, RuntimeError) as exc:
+                why = f"gateway: {type(exc).__name__}: {exc}"
+                if attempt < retries:
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                continue
+            if text != self.expected_gateway[prompt]:
+                return "wrong", f"gateway: {text!r} != {self.expected_gateway[prompt]!r}"
+            return ("ok", "") if attempt == 0 else ("retried", why)
+        return "lost", why
+
     async def probe(self) -> tuple[bool, bool]:
         """One fresh request of each kind with no retry: (workflow ok, direct ok)."""
         prompt = next(iter(self.expected))
@@ -341,9 +394,12 @@ async def run_phase(
     recovery: asyncio.Task[float | None] | None = None
     for i in range(requests):
         prompt = prompts[i % len(prompts)]
-        kind: Callable[[str], Awaitable[tuple[str, str]]] = (
-            load.workflow if i % 2 == 0 else load.direct
+        kinds: tuple[Callable[[str], Awaitable[tuple[str, str]]], ...] = (
+            load.workflow,
+            load.direct,
+            load.gateway,
         )
+        kind = kinds[i % 3]
         tasks.append(asyncio.create_task(kind(prompt)))
         if i == requests // 3:
             if target != NO_FAULT:
@@ -435,6 +491,7 @@ async def chaos(
                     raise RuntimeError(f"baseline run failed: {result.error}")
                 load.expected[prompt] = result.outputs["text"]
                 load.expected_direct[prompt] = await load._generate_once(prompt, load.timeout_s)
+                load.expected_gateway[prompt] = await load._complete_once(prompt, load.timeout_s)
             phases = []
             for target in targets:
                 kill = "no kill (control)" if target == NO_FAULT else f"SIGKILL {target}"
