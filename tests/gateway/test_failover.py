@@ -8,6 +8,7 @@ retries off, so that every failure the gateway lets through is seen."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -109,9 +110,7 @@ async def _picks(router: str) -> int:
 
 def _metric(gateway: ServiceProc, name: str) -> float:
     text = httpx.get(gateway.info["url"] + "/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 async def test_killing_one_of_two_routers_loses_no_request(
@@ -147,8 +146,7 @@ async def test_a_lone_router_restarting_is_waited_for(
     procs["router-0"].kill()
     killed = time.monotonic()
     tasks = [
-        asyncio.create_task(_outcome(client, stream=i % 2 == 1, delay_s=i * 0.1))
-        for i in range(10)
+        asyncio.create_task(_outcome(client, stream=i % 2 == 1, delay_s=i * 0.1)) for i in range(10)
     ]
     await asyncio.sleep(1.5)  # the supervisor's restart, by hand: a new router, a new port
     _router(launch, "router-1")
@@ -174,3 +172,35 @@ async def test_a_worker_dying_mid_answer_is_retried_for_a_whole_answer(
     assert _metric(procs["gateway"], retried) > 0  # round robin sent some to llm-0
     await client.close()
 
+
+async def test_a_tenant_past_its_tokens_per_minute_is_refused_alone(
+    launch: Callable[..., ServiceProc], tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.json"
+    key_a, key_b = "tpm-a-" + "1" * 16, "tpm-b-" + "2" * 16
+    keys.write_text(
+        json.dumps({"keys": [{"key": key_a, "tenant": "a"}, {"key": key_b, "tenant": "b"}]})
+    )
+    keys.chmod(0o600)
+    procs = _topology(
+        launch,
+        tmp_path,
+        routers=1,
+        delay_ms="1",
+        OMNIFLOW_GATEWAY_API_KEYS_FILE=str(keys),
+        OMNIFLOW_GATEWAY_TENANT_TOKENS_PER_MINUTE="60",
+    )
+    url = procs["gateway"].info["url"] + "/v1"
+    a = openai.AsyncOpenAI(base_url=url, api_key=key_a, max_retries=0)
+    b = openai.AsyncOpenAI(base_url=url, api_key=key_b, max_retries=0)
+    used = 0
+    with pytest.raises(openai.RateLimitError) as refused:
+        for _ in range(20):  # each answer counts its prompt and generated tokens
+            reply = await a.completions.create(model="echo", prompt=PROMPT, max_tokens=64)
+            used += reply.usage.total_tokens
+    assert used >= 60  # refused only once past its minute's share
+    assert "OMNIFLOW_GATEWAY_TENANT_TOKENS_PER_MINUTE" in str(refused.value)
+    reply = await b.completions.create(model="echo", prompt=PROMPT, max_tokens=64)
+    assert reply.choices[0].text.startswith("echo: ")  # tenant b is served meanwhile
+    await a.close()
+    await b.close()
