@@ -12,9 +12,9 @@ with ``stop``, ``ignore_eos`` or not.
 Kinds (as vLLM's structured outputs over xgrammar): ``json`` a JSON schema, compiled in
 xgrammar's strict mode (no properties the schema does not name), ``json_object`` any JSON
 object, ``regex``, ``choice`` (one of a list of strings, as an EBNF alternation) and
-``grammar`` (xgrammar's EBNF). JSON is written on one line with ``", "`` and ``": "``
-separators (vLLM's ``disable_any_whitespace``): a small model is not free to pad it with
-whitespace until it runs out of tokens.
+``grammar`` (xgrammar's EBNF). JSON may carry whitespace between its tokens, as vLLM's
+default allows, but at most ``MAX_WHITESPACE`` characters in one place: a small model is
+not free to pad it with whitespace until it runs out of tokens.
 
 A spec that does not compile raises ``InvalidArgument`` naming ``structured.<kind>``
 before the request is queued.
@@ -35,7 +35,7 @@ from omniflow.errors import InvalidArgument
 from omniflow.sampling import StructuredOutput
 
 CACHE_ENTRIES = 64
-JSON_SEPARATORS = (", ", ": ")
+MAX_WHITESPACE = 16  # characters of whitespace in one place of a JSON answer
 _WHERE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
@@ -139,14 +139,9 @@ class Grammars:
 
     @staticmethod
     def _compile(compiler: Any, so: StructuredOutput) -> Any:
-        if so.kind == "json":
-            return compiler.compile_json_schema(
-                so.spec, any_whitespace=False, separators=JSON_SEPARATORS
-            )
-        if so.kind == "json_object":
-            return compiler.compile_json_schema(
-                '{"type": "object"}', any_whitespace=False, separators=JSON_SEPARATORS
-            )
+        if so.kind in ("json", "json_object"):
+            schema = so.spec if so.kind == "json" else '{"type": "object"}'
+            return compiler.compile_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
         if so.kind == "regex":
             return compiler.compile_regex(so.spec)
         if so.kind == "choice":
