@@ -1,4 +1,5 @@
-"""A small real topology for the endpoints of issue 18 item 5: Redis, the router, one llm
+"""A small real topology for the endpoints of issue 18 item 5: Redis, the router, the
+coordinator (workflows calling the same operations), one llm
 worker (SmolLM2: /tokenize), one encoder (Whisper tiny.en: transcriptions), one embed
 worker (all-MiniLM-L6-v2: embeddings) and the gateway with an API key, each a separate
 process on port 0, ended by PID at teardown. The Whisper and MiniLM folders are pulled
@@ -65,6 +66,9 @@ def endpoints(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> I
         router = launch(
             "omniflow_services.router", "router", OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.2"
         ).wait_ready()
+        coordinator = launch(
+            "omniflow_services.coordinator", "coordinator", OMNIFLOW_ROUTER_ADDR=router.address
+        ).wait_ready()
         for proc in workers:
             proc.wait_ready(timeout_s=240)
         gateway = launch(
@@ -74,6 +78,7 @@ def endpoints(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> I
             OMNIFLOW_GATEWAY_API_KEY=API_KEY,
             OMNIFLOW_GATEWAY_MAX_BODY_BYTES=str(MAX_BODY),
             OMNIFLOW_ROUTER_ADDR=router.address,
+            OMNIFLOW_COORDINATOR_ADDR=coordinator.address,
             OMNIFLOW_MODELS_DIR=str(cache),
         ).wait_ready()
         yield Endpoints(
