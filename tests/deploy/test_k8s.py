@@ -223,6 +223,13 @@ def test_topology_file_drives_the_objects(tmp_path: Path) -> None:
     )
     agent = _by(objs, "DaemonSet")["kv-agent"]["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "OMNIFLOW_KV_HOST_BYTES", "value": "1048576"} in agent["env"]
+    # The host tier (shared memory charged to the node) is in the agent's memory request.
+    assert agent["resources"]["requests"]["memory"] == "128Mi"  # 70 MiB * 1.25 + 1 MiB
+    default = _by(render(load_topology(None)), "DaemonSet")["kv-agent"]
+    assert default["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"] == {
+        "memory": "384Mi",  # 70 MiB * 1.25 + the default 256 MiB, in 64 MiB steps
+        "cpu": "100m",
+    }
     assert all(o["metadata"].get("namespace", "ns2") == "ns2" for o in objs)
     assert "Job" not in {o["kind"] for o in objs}, "tiny models need no pull job"
     for obj in objs:

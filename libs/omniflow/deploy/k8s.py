@@ -48,21 +48,22 @@ METRICS_PORT = 9100
 REDIS_PORT = 6379
 
 #: Resident set (MiB) of each service after start-up and a few requests, measured in the
-#: compose stack on this project's machine (`docker stats --no-stream` against
-#: `scripts/compose_local.sh up`, CPU torch, float32, SmolLM2-135M; docs/deploy.md). The
-#: request is this with a quarter more; the limit is twice the request.
+#: compose stack (`docker stats --no-stream` in tests/deploy/test_compose_run.py, after its
+#: chats, a workflow run and a worker restart; CPU torch, float32, SmolLM2-135M): the request
+#: is this with a quarter more, the limit twice the request. The kv-agent's host tier lives
+#: in shared memory charged to the node, so its budget is added to the agent's request.
 MEASURED_RSS = {
-    "kv-index": 80,
-    "router": 90,
-    "coordinator": 150,
-    "gateway": 200,
-    "kv-agent": 110,
-    "redis": 20,
-    "worker:llm": 1100,
-    "worker:encoder": 900,
-    "worker:diffusion": 1200,
-    "worker:talker": 500,
-    "worker:embed": 600,
+    "kv-index": 54,
+    "router": 44,
+    "coordinator": 89,
+    "gateway": 95,
+    "kv-agent": 70,
+    "redis": 7,
+    "worker:llm": 774,
+    "worker:encoder": 342,
+    "worker:diffusion": 815,
+    "worker:talker": 265,
+    "worker:embed": 195,
 }
 #: CPU requests (millicores): the control plane idles; an engine uses what it is given.
 CPU_REQUEST = {"worker": 1000, "redis": 100}
@@ -97,14 +98,23 @@ def _meta(name: str, opts: K8sOptions, component: str | None = None) -> Obj:
     return {"name": name, "namespace": opts.namespace, "labels": _labels(component or name)}
 
 
-def _memory(key: str) -> dict[str, dict[str, str]]:
+def _memory(key: str, extra_mib: int = 0) -> dict[str, dict[str, str]]:
     rss = MEASURED_RSS[key]
-    request = 64 * math.ceil(rss * 1.25 / 64)
+    request = 64 * math.ceil((rss * 1.25 + extra_mib) / 64)
     cpu = CPU_REQUEST.get(key.split(":")[0], 100)
     return {
         "requests": {"memory": f"{request}Mi", "cpu": f"{cpu}m"},
         "limits": {"memory": f"{2 * request}Mi"},
     }
+
+
+def _host_tier_mib(topology: Topology) -> int:
+    """The agent's host tier budget (its shared memory), in MiB."""
+    raw = topology.kv_agent_env.get("OMNIFLOW_KV_HOST_BYTES", str(256 << 20))
+    try:
+        return math.ceil(int(raw) / (1 << 20))
+    except ValueError:
+        raise InvalidArgument(f"kv_agent host_bytes {raw!r} is not a number of bytes") from None
 
 
 def _field(name: str, path: str) -> Obj:
@@ -181,6 +191,7 @@ def _pod(
     opts: K8sOptions,
     *,
     memory_key: str | None = None,
+    extra_mib: int = 0,
     host_ipc: bool = False,
     models: bool = False,
     extra_volumes: list[Obj] = (),  # type: ignore[assignment]
@@ -215,7 +226,7 @@ def _pod(
             {"name": "metrics", "containerPort": METRICS_PORT},
         ],
         "volumeMounts": mounts,
-        "resources": _memory(memory_key or kind),
+        "resources": _memory(memory_key or kind, extra_mib),
         **_probes(port, startup),
     }
     spec: Obj = {
@@ -498,6 +509,7 @@ def render(topology: Topology, opts: K8sOptions | None = None) -> list[Obj]:
         agent_env,
         opts,
         host_ipc=True,
+        extra_mib=_host_tier_mib(topology),
         extra_volumes=[ssd],
         extra_mounts=[{"name": "ssd", "mountPath": "/var/lib/omniflow/kv"}],
     )
