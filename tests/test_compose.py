@@ -313,6 +313,37 @@ def test_insecure_override_turns_security_off(
     assert not _env(plain["services"]["gateway"])["OMNIFLOW_GATEWAY_API_KEYS_FILE"]
 
 
+def test_local_override_needs_no_registry(compose_cmd: tuple[list[str], dict[str, str]]) -> None:
+    """compose/local.yml (scripts/compose_local.sh): nothing that needs a registry starts,
+    discovery is Redis, every service is on the host's loopback at a port of its own, and
+    every peer address names a port that a service of the stack binds."""
+    local = _resolve(compose_cmd, COMPOSE_FILE, ROOT / "compose" / "local.yml")
+    services = local["services"]
+    assert not {"consul", "jaeger", "prometheus", "grafana"} & set(services), sorted(services)
+    for name, svc in services.items():
+        image = svc.get("image", "")
+        assert image.startswith("omniflow/"), f"{name} pulls {image}"
+        assert svc.get("network_mode") == "host", name
+        for dep in svc.get("depends_on", {}):
+            assert dep in services, f"{name} waits for {dep}, which does not start"
+    ports: dict[int, str] = {}
+    for name, svc in _ours(local).items():
+        if not _package(svc):
+            continue
+        env = _env(svc)
+        assert env["OMNIFLOW_DISCOVERY"] == "redis" and env["OMNIFLOW_HOST"] == "127.0.0.1"
+        assert env["OMNIFLOW_REDIS_URL"] == "redis://127.0.0.1:16379/0", name
+        port = int(env.get("OMNIFLOW_GATEWAY_PORT") or env["OMNIFLOW_PORT"])
+        assert port and port not in ports, f"{name} and {ports.get(port)} both on {port}"
+        ports[port] = name
+    assert "--port" in services["redis"]["command"]
+    for name, svc in _ours(local).items():
+        for key, value in _env(svc).items():
+            if key.endswith("_ADDR") and key.startswith("OMNIFLOW_") and value:
+                host, port = _host_port(value)
+                assert host == "127.0.0.1" and port in ports, f"{name}: {key}={value}"
+
+
 def test_services_are_wired_to_each_other(config: dict[str, Any]) -> None:
     services = config["services"]
     consul = [n for n, s in services.items() if s.get("image", "").startswith("hashicorp/consul")]
