@@ -1,6 +1,7 @@
 """The chaos test with two routers and two coordinators, reduced (few requests): under a
-mix of workflow runs (the Python client), direct generations (the router's proxy) and
-OpenAI completions (the gateway, which fails over between the replicas itself), killing
+mix of workflow runs (the Python client), direct generations (the router's proxy), OpenAI
+completions and chat turns of the workflow model (the gateway, which fails over between
+the replicas itself), killing
 a router, a coordinator or an llm worker loses no request and returns no wrong answer,
 and a fresh request of each kind succeeds again within the 10 s window. The full table
 is ``bench/chaos.py --replicas 2``."""

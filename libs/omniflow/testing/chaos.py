@@ -6,8 +6,9 @@ an llm "generation" streams ``echo: <prompt>`` word by word — or, with ``model
 ``smollm2-135m-instruct``), real llm workers: the engine on real weights, greedy, a few
 tokens per request, sharing KV through the kv-agent. Load is a mix of workflow
 runs (client → coordinator → router → worker), direct generations (client → the
-router's worker proxy → worker) and OpenAI completions (client → gateway → router's Pick →
-worker), all greedy, each checked against the answer recorded before any fault. One
+router's worker proxy → worker), OpenAI completions (client → gateway → router's Pick →
+worker) and chat completions of the workflow model (client → gateway → coordinator → ...),
+all greedy, each checked against the answer recorded before any fault. One
 phase per service: while requests are in flight, that service is SIGKILLed; the
 supervisor restarts it with nobody's help.
 
@@ -304,40 +305,53 @@ class Load:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
         return "lost", why
 
-    async def _complete_once(self, prompt: str, timeout_s: float) -> str:
+    async def _complete_once(self, prompt: str, timeout_s: float, chat: bool = False) -> str:
+        """A completion of ``prompt`` by the gateway; ``chat``: a chat turn of the workflow
+        model (``workflow:chaos``, whose answer is the workflow's)."""
         import httpx  # a test harness: the dev extra's HTTP client
 
-        body: dict[str, Any] = {"model": self.topo.served_model, "prompt": prompt}
-        body["temperature"] = 0.0
-        if self.max_tokens:
-            body["max_tokens"] = self.max_tokens
+        if chat:
+            path = "/v1/chat/completions"
+            body: dict[str, Any] = {"model": f"workflow:{WORKFLOW}"}
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            path = "/v1/completions"
+            body = {"model": self.topo.served_model, "prompt": prompt, "temperature": 0.0}
+            if self.max_tokens:
+                body["max_tokens"] = self.max_tokens
         headers = {"authorization": f"Bearer {self.gateway_key}"} if self.gateway_key else {}
         async with httpx.AsyncClient(timeout=timeout_s) as http:
-            reply = await http.post(
-                f"{self.gateway_url}/v1/completions", json=body, headers=headers
-            )
+            reply = await http.post(f"{self.gateway_url}{path}", json=body, headers=headers)
         if reply.status_code != 200:
             raise GatewayError(f"HTTP {reply.status_code}: {reply.text[:200]}")
-        return str(reply.json()["choices"][0]["text"])
+        choice = reply.json()["choices"][0]
+        return str(choice["message"]["content"] if chat else choice["text"])
 
-    async def gateway(self, prompt: str, retries: int = RETRIES) -> tuple[str, str]:
-        """(outcome, detail) of one completion through the gateway; an answer that is not a
-        200 (or no answer) is retried with backoff, as a well-behaved client does."""
+    async def gateway(
+        self, prompt: str, retries: int = RETRIES, chat: bool = False
+    ) -> tuple[str, str]:
+        """(outcome, detail) of one completion through the gateway (``chat``: of the
+        workflow model); an answer that is not a 200 (or no answer) is retried with
+        backoff, as a well-behaved client does."""
+        expected = self.expected[prompt] if chat else self.expected_gateway[prompt]
         backoff = 0.25
         why = ""
         for attempt in range(retries + 1):
             try:
-                text = await self._complete_once(prompt, self.timeout_s)
+                text = await self._complete_once(prompt, self.timeout_s, chat)
             except (GatewayError, OSError, TimeoutError, RuntimeError) as exc:
-                why = f"gateway: {type(exc).__name__}: {exc}"
+                why = f"gateway{' workflow' if chat else ''}: {type(exc).__name__}: {exc}"
                 if attempt < retries:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
-            if text != self.expected_gateway[prompt]:
-                return "wrong", f"gateway: {text!r} != {self.expected_gateway[prompt]!r}"
+            if text != expected:
+                return "wrong", f"gateway: {text!r} != {expected!r}"
             return ("ok", "") if attempt == 0 else ("retried", why)
         return "lost", why
+
+    async def gateway_workflow(self, prompt: str) -> tuple[str, str]:
+        return await self.gateway(prompt, chat=True)
 
     async def probe(self) -> tuple[bool, bool]:
         """One fresh request of each kind with no retry: (workflow ok, direct ok)."""
@@ -398,8 +412,9 @@ async def run_phase(
             load.workflow,
             load.direct,
             load.gateway,
+            load.gateway_workflow,
         )
-        kind = kinds[i % 3]
+        kind = kinds[i % len(kinds)]
         tasks.append(asyncio.create_task(kind(prompt)))
         if i == requests // 3:
             if target != NO_FAULT:
