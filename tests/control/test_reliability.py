@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
+import time
 from collections.abc import Callable
 
 import pytest
@@ -182,3 +183,43 @@ async def test_the_coordinator_does_not_tokenize_a_prompt_past_its_bound() -> No
     assert hinter.counts[TOO_LARGE] == 1 and not listed  # refused before any work
     assert await hinter.hints("llm", "short") is None
     assert hinter.counts[NO_WORKERS] == 1 and listed  # the control: a small one goes on
+
+
+async def test_run_deadlines_and_retry_backoff_are_capped(
+    cluster: Callable[..., dict[str, ServiceProc]],
+) -> None:
+    from omniflow.client import Client
+    from omniflow.dsl import Retry, VType, Workflow, register_operation
+
+    register_operation(
+        "echo", "sleep", {"ms": VType.INT}, {"slept_ms": VType.FLOAT, "worker": VType.TEXT}
+    )
+    register_operation("echo", "fail", {"text": VType.TEXT}, {"text": VType.TEXT})
+    procs = cluster(
+        {"echo": 2},  # a retried call goes to the other worker
+        coordinator_env={
+            "OMNIFLOW_COORDINATOR_MAX_RUN_DEADLINE_MS": "1500",
+            "OMNIFLOW_COORDINATOR_MAX_RETRY_BACKOFF_MS": "100",
+        },
+    )
+    # A run that asks no deadline (and a workflow that asks an hour) gets the cap.
+    slow = Workflow("slow-cap", deadline_ms=3_600_000)
+    slow.output("w", slow.call("nap", "echo", "sleep", ms=slow.input("ms", VType.INT))["worker"])
+    # A retry policy asking an hour between attempts waits the cap.
+    parked = Workflow("parked-cap")
+    node = parked.call(
+        "f", "echo", "fail", text=parked.input("t", VType.TEXT),
+        retry=Retry(max_attempts=2, initial_backoff_ms=3_600_000),
+    )  # fmt: skip
+    parked.output("t", node["text"])
+    async with Client(procs["coordinator"].address) as client:
+        await client.register(slow)
+        await client.register(parked)
+        ended = await client.run("slow-cap", {"ms": 20_000})
+        assert not ended.ok and "deadline of 1500 ms exceeded" in ended.error, ended.error
+        started = time.monotonic()
+        ended = await client.run("parked-cap", {"t": "x"})
+        took = time.monotonic() - started
+        assert not ended.ok and "UNAVAILABLE" in ended.error, ended.error
+        assert "after 2 attempts" in ended.error, ended.error
+    assert took < 60  # a wait of the 100 ms cap, not of an hour (generous: shared CPUs)
