@@ -94,8 +94,8 @@ async def invoke_audio(
     enc = core.require_mm("encoder").encoder
     assert enc is not None
     inputs = dict(request.inputs)
+    data = await _audio_bytes(inputs, tensors)  # first: a missing audio is named as such
     opts = _options(inputs)
-    data = await _audio_bytes(inputs, tensors)
     started = time.perf_counter()
     said = await enc.transcribe(MediaInput(AUDIO, data, "inputs.audio"), opts)
     audio_metrics.record_transcribe(started, said.audio_seconds)
