@@ -5,7 +5,7 @@ examples while the real engines are not in a worker.
 node, operations) and serves:
 
 - ``Generate``: streams ``"echo: <prompt>"`` word by word (``max_tokens`` words at most;
-  a prompt of token ids is echoed as its numbers),
+  a prompt of token ids is echoed as its numbers, a chat prompt as its last user turn),
   one word per step of a fake continuous-batching engine (``echo_engine``): prompt bytes
   are tokens, a step costs a fixed time plus a time per request in decode plus a time
   per prompt token computed, concurrent requests share the steps, and a finite LRU
@@ -92,6 +92,12 @@ class EchoCore:
         self.running = 0
 
 
+def _last_user_turn(chat: worker_pb2.ChatMessages) -> str:
+    """A chat prompt (node param ``chat``) is echoed as its last user turn's text."""
+    users = [m for m in chat.messages if m.role == "user"]
+    return "".join(part.text for part in users[-1].content) if users else ""
+
+
 class EchoServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, app: EchoWorkerApp) -> None:
         self.app = app
@@ -106,7 +112,11 @@ class EchoServicer(worker_pb2_grpc.WorkerServiceServicer):
         req = None
         try:
             # Token ids (what the gateway sends) are echoed as numbers: answers stay checkable.
-            prompt = request.text or " ".join(map(str, request.token_ids.ids))
+            prompt = (
+                request.text
+                or " ".join(map(str, request.token_ids.ids))
+                or _last_user_turn(request.messages)
+            )
             data = prompt.encode()
             hashes = block_hashes(ECHO_LAYOUT.namespace, list(data), ECHO_LAYOUT.page_size)
             words = f"echo: {prompt}".split(" ")
