@@ -92,9 +92,9 @@ def sampling_to_vllm(p: SamplingParams) -> dict[str, Any]:
 
 
 def structured_to_vllm(so: StructuredOutput | None) -> Any:
-    """A ``StructuredOutput`` as vLLM's ``StructuredOutputsParams`` (None: free text). JSON
-    is written without free whitespace, as the built-in engine writes it
-    (``disable_any_whitespace``)."""
+    """A ``StructuredOutput`` as vLLM's ``StructuredOutputsParams`` of the same kind (None:
+    free text); whitespace inside JSON is vLLM's engine setting (``structured_outputs_config``;
+    its default allows it, as the built-in engine does)."""
     if so is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams
@@ -102,7 +102,16 @@ def structured_to_vllm(so: StructuredOutput | None) -> Any:
     value: Any = True if so.kind == "json_object" else so.spec
     if so.kind == "choice":
         value = json.loads(so.spec)
-    return StructuredOutputsParams(**{so.kind: value}, disable_any_whitespace=True)
+    return StructuredOutputsParams(**{so.kind: value})
+
+
+def _refusals() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses (``VLLMClientError`` since 0.3x)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
 
 
 def top_of(step: dict[int, Any], n: int) -> TopLogprobs:
@@ -415,7 +424,7 @@ class VLLMRole(BackendRole):
                     break
             if not dec.finished:
                 yield dec.aborted()
-        except ValueError as exc:  # vLLM checks a grammar when the request is added
+        except _refusals() as exc:  # vLLM checks a grammar when the request is added
             so = params.structured
             if so is None or dec.count:
                 raise
