@@ -178,3 +178,9 @@ def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             ]
         },
     )
+
+
+@pytest.fixture(scope="session")
+def make_tokenizer_dir():
+    """``write_tokenizer_dir``, for a test module that writes a template family of its own."""
+    return write_tokenizer_dir

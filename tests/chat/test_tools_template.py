@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import write_tokenizer_dir
 
 from omniflow.chat import Preprocessor
 from omniflow.chat.tools import (
@@ -146,8 +145,8 @@ def as_transformers_expects(messages: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory):
-    folder = write_tokenizer_dir(
+def qwen(tmp_path_factory: pytest.TempPathFactory, make_tokenizer_dir):
+    folder = make_tokenizer_dir(
         tmp_path_factory.mktemp("qwen25-style"),
         metaspace=False,
         specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
