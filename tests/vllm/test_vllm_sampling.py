@@ -17,7 +17,8 @@ import json, sys
 from vllm import SamplingParams
 names = ["max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
          "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-         "ignore_eos", "logprobs"]
+         "ignore_eos", "logprobs", "min_tokens", "logit_bias", "include_stop_str_in_output",
+         "skip_special_tokens"]
 out = []
 for kw in json.loads(sys.argv[1]):
     p = SamplingParams(**kw)
@@ -44,7 +45,8 @@ def test_every_field_reaches_vllm_and_off_means_off() -> None:
     params = SamplingParams(
         max_tokens=7, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05,
         repetition_penalty=1.1, seed=3, stop_token_ids=(2, 5), stop=("\n\n",),
-        ignore_eos=True,
+        ignore_eos=True, min_tokens=2, logit_bias=((5, -3.0),), include_stop_str_in_output=True,
+        skip_special_tokens=False,
     )  # fmt: skip
     greedy = SamplingParams(max_tokens=3, temperature=0.0)
     scored = SamplingParams(
@@ -56,6 +58,9 @@ def test_every_field_reaches_vllm_and_off_means_off() -> None:
     for name, want in (("temperature", 0.7), ("top_p", 0.9), ("min_p", 0.05)):
         assert got[name] == pytest.approx(want), name
     assert got["repetition_penalty"] == pytest.approx(1.1)
+    assert got["min_tokens"] == 2 and got["logit_bias"] in ({5: -3.0}, {"5": -3.0})
+    assert got["include_stop_str_in_output"] is True and got["skip_special_tokens"] is False
+    assert off["min_tokens"] == 0 and not off["logit_bias"] and off["skip_special_tokens"]
     assert got["presence_penalty"] == 0.0 and got["frequency_penalty"] == 0.0
     assert got["logprobs"] is None
     # Greedy, and every filter off, as vLLM spells "off".
