@@ -6,6 +6,10 @@ tried (it may be back: a supervised router restarts on its old address).
 Only UNAVAILABLE fails over: it is what a dead or restarting router answers, and a Pick
 that found no worker on one router would find none on another either (one retry costs
 one RPC). Channels stay open per address, so a failover costs no connection setup.
+
+When every router failed (one router, restarting), the call waits and is made again, with
+backoff from ``BACKOFF_S`` doubling to ``MAX_BACKOFF_S``, for up to ``WAIT_S`` (a run's
+deadline cancels it sooner): a supervised router is back within seconds.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ log = logging.getLogger(__name__)
 
 RECHECK_S = 2.0  # how long a discovery listing of the routers is reused
 DOWN_S = 2.0  # how long a router that did not answer is passed over
+WAIT_S = 10.0  # how long a call waits while no router answers
+BACKOFF_S = 0.05
+MAX_BACKOFF_S = 1.0
 _IDEMPOTENT = ("omniflow.api.router.v1.RouterService/ListWorkers",)
 
 
@@ -105,18 +112,25 @@ class FailoverStub:
     def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
         async def call(request: Any, **kw: Any) -> Any:
             pool = self._pool
+            loop = asyncio.get_running_loop()
+            end = loop.time() + WAIT_S  # a run's own deadline cancels the wait sooner
+            delay = BACKOFF_S
             tried: set[str] = set()
             while True:
                 address, stub = await pool.current()
                 try:
                     return await getattr(stub, method)(request, **kw)
                 except Unavailable as exc:
-                    if address in tried:
-                        raise
-                    tried.add(address)
                     pool.mark_down(address)
-                    if len(await pool.addresses()) <= len(tried):
-                        raise  # no other router to try
-                    log.info("router %s unavailable (%s); failing over", address, exc)
+                    tried.add(address)
+                    if len(await pool.addresses()) > len(tried):
+                        log.info("router %s unavailable (%s); failing over", address, exc)
+                        continue
+                    # Every router failed: wait for one to be back (a restart), then again.
+                    if loop.time() + delay > end:
+                        raise
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, MAX_BACKOFF_S)
+                    tried.clear()
 
         return call

@@ -223,3 +223,30 @@ async def test_run_deadlines_and_retry_backoff_are_capped(
         assert not ended.ok and "UNAVAILABLE" in ended.error, ended.error
         assert "after 2 attempts" in ended.error, ended.error
     assert took < 60  # a wait of the 100 ms cap, not of an hour (generous: shared CPUs)
+
+
+async def test_a_run_waits_for_its_lone_router_to_restart(
+    cluster: Callable[..., dict[str, ServiceProc]], launch: Callable[..., ServiceProc]
+) -> None:
+    from omniflow.client import Client
+    from omniflow.dsl import VType, Workflow
+
+    procs = cluster({"llm": 1})
+    router = procs["router"]
+    wf = Workflow("lone-router")  # no retry policy: only the wait can save it
+    wf.output("t", wf.call("say", "llm", "generate", prompt=wf.input("p", VType.TEXT))["text"])
+    async with Client(procs["coordinator"].address) as client:
+        await client.register(wf)
+        router.kill()
+        run = asyncio.create_task(client.run("lone-router", {"p": "still here"}))
+        await asyncio.sleep(1.5)  # what the supervisor does: the same port, a new process
+        port = router.address.rsplit(":", 1)[1]
+        launch(
+            "omniflow_services.router",
+            "router-again",
+            OMNIFLOW_PORT=port,
+            OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.2",
+        ).wait_ready()
+        result = await run
+    assert result.ok, result.error
+    assert result.outputs["t"] == "echo: still here"
