@@ -22,7 +22,6 @@ from omniflow.chat.tools import (
     forced_calls,
     forced_schema,
     new_call_id,
-    parse_calls,
 )
 from omniflow.errors import InvalidArgument
 from omniflow.sampling import StructuredOutput
@@ -45,6 +44,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]
     choice: str  # none | auto | required | function:<name>
     constraint: Constraint | None
+    parallel: bool = True  # parallel_tool_calls: false keeps an auto answer's first call
 
 
 def plan_tools(req: ChatCompletionRequest, tool_format: str) -> ToolPlan | None:
@@ -74,7 +74,14 @@ def plan_tools(req: ChatCompletionRequest, tool_format: str) -> ToolPlan | None:
     constraint = None
     if schema is not None:
         constraint = Constraint(StructuredOutput("json", json.dumps(schema)), "tool_choice")
-    return ToolPlan(tools, choice, constraint)
+    return ToolPlan(tools, choice, constraint, req.parallel_tool_calls)
+
+
+def _out_of(d: DeltaToolCall) -> ToolCallOut:
+    fn = d.function or DeltaFunction()
+    return ToolCallOut(
+        id=d.id or "", function=FunctionCallOut(name=fn.name or "", arguments=fn.arguments or "")
+    )
 
 
 def _out(call: ToolCall) -> ToolCallOut:
@@ -90,10 +97,13 @@ def whole_answer(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCallOu
     if plan.constraint is not None:
         calls = forced_calls(text, plan.choice)
         return (None, [_out(c) for c in calls]) if calls else (text, [])
-    content, calls = parse_calls(text)
+    stream = StreamedCalls(plan)
+    deltas = stream.feed(text) + stream.end()
+    calls = [_out_of(c) for d in deltas for c in d.tool_calls or ()]
     if not calls:
         return text, []
-    return (content if content.strip() else None), [_out(c) for c in calls]
+    content = "".join(d.content or "" for d in deltas)
+    return (content if content.strip() else None), calls
 
 
 @dataclass(slots=True)
@@ -147,7 +157,8 @@ class StreamedCalls:
         out = []
         for p in pieces:
             if isinstance(p, ToolCall):
-                out.append(self._call(p))
+                if self.plan.parallel or not self.calls:
+                    out.append(self._call(p))
             elif p and not (self.calls and not p.strip()):
                 out.append(Delta(content=p))
         return out
