@@ -178,18 +178,6 @@ class WhisperModel:
             h = h + self._mlp(h, ly, "ln2")
         return self._ln(h, self.enc_ln)
 
-    def greedy(
-        self,
-        states: torch.Tensor,
-        prompt: list[int],
-        eos: int,
-        suppress: list[int],
-        begin_suppress: list[int],
-        max_new: int,
-    ) -> list[int]:
-        """Greedy decoding of one window's ``states`` [1, 1500, d]; new ids, without eos."""
-        return self.decode(states, prompt, eos, suppress, begin_suppress, max_new).ids
-
     @torch.inference_mode()
     def decode(
         self,
@@ -362,9 +350,9 @@ class WhisperEncoder:
         """Greedy token ids per 30 s window."""
         with self._lock:
             return [
-                self.model.greedy(
+                self.model.decode(
                     states, self.prompt, self.eos, self.suppress, self.begin_suppress, self.max_new
-                )
+                ).ids
                 for states, _ in self._windows(inp)
             ]
 
