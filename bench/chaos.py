@@ -7,7 +7,9 @@ serving ``--model``, SmolLM2-135M-Instruct by default, greedy, ``--max-tokens`` 
 request — or, with ``--echo``, echo TEST workers whose requests cost almost nothing) in a
 temporary run folder, records the answers (greedy: the same prompt, the same text), then
 for each of llm-1, kv-agent, router, coordinator, kv-index and Redis: sends
-``--per-phase`` requests (workflow runs and direct generations, alternating), SIGKILLs the
+``--per-phase`` requests (in turn: workflow runs by the Python client, direct generations
+through the router's proxy, completions and workflow-model chat turns through the
+gateway), SIGKILLs the
 service a third of the way in, and counts how the requests ended (see
 ``omniflow.testing.chaos``). Prints the table, the load average, and why each request
 that was not ok at the first try was not.
