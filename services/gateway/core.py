@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 
 from omniflow.chat import Preprocessor, acached_preprocessor
 from omniflow.errors import InvalidArgument, NotFound, OmniflowError, Unavailable
+from omniflow.prompt_size import check_prompt_size, ids_bytes, messages_bytes, text_bytes
 from omniflow.sampling import SamplingParams
+from omniflow.security import policy
 from omniflow.workers import WorkerRecord
 from omniflow_services.gateway import metrics
 from omniflow_services.gateway.audio import talker_voice
@@ -34,6 +36,7 @@ from omniflow_services.gateway.backends import (
     WorkflowInfo,
 )
 from omniflow_services.gateway.config import GatewaySettings
+from omniflow_services.gateway.fairshare import TenantShare
 from omniflow_services.gateway.workflows import data_url
 
 log = logging.getLogger(__name__)
@@ -101,6 +104,8 @@ class GatewayCore:
         self.settings = settings
         self.backends = backends
         self._pre: dict[tuple[str, str, str], Preprocessor] = {}
+        #: Each tenant's share (the guard's): generated and prompt tokens are counted here.
+        self.share: TenantShare | None = None
 
     # ------------------------------------------------------------ catalog
 
@@ -166,6 +171,10 @@ class GatewayCore:
             self._pre[key] = pre
         return pre
 
+    def check_prompt(self, size: int) -> None:
+        """400 for a prompt past ``max_prompt_bytes``, before it is templated or tokenized."""
+        check_prompt_size(size, self.settings.max_prompt_bytes, "OMNIFLOW_GATEWAY_MAX_PROMPT_BYTES")
+
     def check_capabilities(self, workers: list[WorkerRecord], sampling: SamplingParams) -> None:
         """400 for a sampling feature the model's workers do not advertise."""
         needs = []
@@ -194,6 +203,7 @@ class GatewayCore:
 
         ``template``: what the template is rendered with besides the messages (tools,
         ``add_generation_prompt``, ... : ``Preprocessor.render_chat``'s options)."""
+        self.check_prompt(messages_bytes(messages))  # before anything templates it
         workers = await self.workers_for(model, "llm")
         self.check_capabilities(workers, sampling)
         if any(isinstance(m["content"], list) for m in messages):
@@ -218,6 +228,7 @@ class GatewayCore:
         self, model: str, prompt: str | list[int], sampling: SamplingParams
     ) -> Prepared:
         """A completion prompt: text (tokenized here) or token ids as given."""
+        self.check_prompt(text_bytes(prompt) if isinstance(prompt, str) else ids_bytes(prompt))
         workers = await self.workers_for(model, "llm")
         self.check_capabilities(workers, sampling)
         pre = await self.preprocessor(workers[0])
@@ -255,13 +266,14 @@ class GatewayCore:
             started = time.perf_counter()
             sent = False
             held: list[GenChunk] = []
+            last: GenChunk | None = None
             try:
                 async with aclosing(self.backends.generate(picked.address, call)) as stream:
                     async for chunk in stream:
                         if whole:
                             held.append(chunk)
                             continue
-                        sent = True
+                        sent, last = True, chunk
                         yield chunk
             except Unavailable as exc:
                 self._report(picked, started, False, "UNAVAILABLE")
@@ -281,6 +293,7 @@ class GatewayCore:
             self._report(picked, started, True)
             for chunk in held:
                 yield chunk
+            self._spent(held[-1] if held else last)
             return
 
     async def prepick(self, prep: Prepared, n: int) -> None:
@@ -310,6 +323,12 @@ class GatewayCore:
             exclude=exclude,
         )
         return await _served(prep.model, pick)
+
+    def _spent(self, last: GenChunk | None) -> None:
+        """Count a finished generation's tokens against its tenant's minute."""
+        if self.share is not None and last is not None:
+            tokens = last.prompt_tokens + last.completion_tokens
+            self.share.spent(policy.current().tenant, tokens)
 
     def _report(self, picked: Picked, started: float, ok: bool, code: str = "") -> None:
         self.backends.report(picked.worker_id, ok, (time.perf_counter() - started) * 1e3, code)
