@@ -27,9 +27,8 @@ from omniflow_services.gateway.endpoint_shapes import (
     EmbeddingList,
     EmbeddingRequest,
     EmbeddingUsage,
-    parse_json,
 )
-from omniflow_services.gateway.errors import bad_request
+from omniflow_services.gateway.errors import bad_request, parse_json
 from omniflow_services.gateway.replies import param_model, whole
 
 ROLE = "embed"

@@ -1,46 +1,22 @@
 """Request and response shapes of the embeddings, audio transcription and utility endpoints
-(pydantic), as OpenAI and vLLM define them, and reading a JSON body into one.
+(pydantic), as OpenAI and vLLM define them.
 
-As in ``protocol``: requests forbid unknown fields (a 400 naming the field), responses
+On ``protocol``'s bases: requests forbid unknown fields (a 400 naming the field), responses
 follow the reference's objects field for field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field
 
-from omniflow_services.gateway.errors import bad_request, from_validation
-from omniflow_services.gateway.protocol import ChatMessage
-
-M = TypeVar("M", bound=BaseModel)
-
-
-async def parse_json(request: Request, cls: type[M]) -> M:
-    """The JSON body as ``cls``: OpenAI's 400 naming the bad field, or saying it is not JSON."""
-    body = await request.body()
-    try:
-        return cls.model_validate_json(body)
-    except ValidationError as exc:
-        if any(e.get("type") == "json_invalid" for e in exc.errors()):
-            raise bad_request("the request body is not valid JSON") from None
-        raise from_validation(exc) from None
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+from omniflow_services.gateway.protocol import ChatMessage, RequestShape, ResponseShape
 
 # ---------------------------------------------------------------- embeddings
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(RequestShape):
     """OpenAI's ``POST /v1/embeddings``."""
 
     model: str
@@ -50,18 +26,18 @@ class EmbeddingRequest(_Request):
     user: str | None = None
 
 
-class Embedding(_Response):
+class Embedding(ResponseShape):
     object: Literal["embedding"] = "embedding"
     index: int
     embedding: list[float] | str  # str: base64 of little-endian float32
 
 
-class EmbeddingUsage(_Response):
+class EmbeddingUsage(ResponseShape):
     prompt_tokens: int
     total_tokens: int
 
 
-class EmbeddingList(_Response):
+class EmbeddingList(ResponseShape):
     object: Literal["list"] = "list"
     data: list[Embedding]
     model: str
@@ -73,7 +49,7 @@ class EmbeddingList(_Response):
 AudioFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
 
 
-class TranscriptionRequest(_Request):
+class TranscriptionRequest(RequestShape):
     """OpenAI's ``POST /v1/audio/transcriptions`` (multipart/form-data fields)."""
 
     file: bytes = Field(description="the audio file (WAV, FLAC, OGG, MP3, ...)")
@@ -90,7 +66,7 @@ class TranscriptionRequest(_Request):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class TranslationRequest(_Request):
+class TranslationRequest(RequestShape):
     """OpenAI's ``POST /v1/audio/translations``: speech in, English text out."""
 
     file: bytes = Field(description="the audio file (WAV, FLAC, OGG, MP3, ...)")
@@ -100,7 +76,7 @@ class TranslationRequest(_Request):
     temperature: float = Field(default=0.0, ge=0.0, le=1.0)
 
 
-class TranscriptionSegment(_Response):
+class TranscriptionSegment(ResponseShape):
     id: int
     seek: int
     start: float
@@ -113,17 +89,17 @@ class TranscriptionSegment(_Response):
     no_speech_prob: float
 
 
-class DurationUsage(_Response):
+class DurationUsage(ResponseShape):
     type: Literal["duration"] = "duration"
     seconds: int
 
 
-class Transcription(_Response):
+class Transcription(ResponseShape):
     text: str
     usage: DurationUsage | None = None
 
 
-class TranscriptionVerbose(_Response):
+class TranscriptionVerbose(ResponseShape):
     task: Literal["transcribe", "translate"]
     language: str
     duration: float
@@ -135,7 +111,7 @@ class TranscriptionVerbose(_Response):
 # ---------------------------------------------------------------- tokenizer and version
 
 
-class TokenizeCompletionRequest(_Request):
+class TokenizeCompletionRequest(RequestShape):
     """vLLM's ``POST /tokenize`` of a prompt."""
 
     model: str | None = None
@@ -144,7 +120,7 @@ class TokenizeCompletionRequest(_Request):
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(_Request):
+class TokenizeChatRequest(RequestShape):
     """vLLM's ``POST /tokenize`` of chat messages, rendered with the model's template."""
 
     model: str | None = None
@@ -157,23 +133,23 @@ class TokenizeChatRequest(_Request):
     tools: list[dict[str, Any]] | None = None
 
 
-class TokenizeResponse(_Response):
+class TokenizeResponse(ResponseShape):
     count: int
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestShape):
     """vLLM's ``POST /detokenize``."""
 
     model: str | None = None
     tokens: list[int]
 
 
-class DetokenizeResponse(_Response):
+class DetokenizeResponse(ResponseShape):
     prompt: str
 
 
-class VersionResponse(_Response):
+class VersionResponse(ResponseShape):
     version: str

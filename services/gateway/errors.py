@@ -1,10 +1,12 @@
-"""The gateway's one error shape and the table from domain errors to HTTP statuses."""
+"""The gateway's one error shape, the table from domain errors to HTTP statuses, and a JSON
+body read into a request model (a bad body as OpenAI's 400)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
 
 from omniflow import errors
 
@@ -87,3 +89,17 @@ def from_validation(exc: ValidationError) -> APIError:
     if len(errs) > 1:
         message += f" (and {len(errs) - 1} more error{'s' if len(errs) > 2 else ''})"
     return bad_request(message, param)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_json(request: Request, cls: type[M]) -> M:
+    """The JSON body as ``cls``: OpenAI's 400 naming the bad field, or saying it is not JSON."""
+    body = await request.body()
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as exc:
+        if any(e.get("type") == "json_invalid" for e in exc.errors()):
+            raise bad_request("the request body is not valid JSON") from None
+        raise from_validation(exc) from None

@@ -12,11 +12,10 @@ import base64
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 
 from omniflow.chat.tools import tool_format_for
 from omniflow.sampling import SamplingError, SamplingParams, StructuredOutput
@@ -24,7 +23,7 @@ from omniflow_services.gateway import audio, metrics
 from omniflow_services.gateway.backends import GenChunk
 from omniflow_services.gateway.config import GatewaySettings
 from omniflow_services.gateway.core import WORKFLOW_PREFIX, GatewayCore, Prepared
-from omniflow_services.gateway.errors import APIError, bad_request, from_validation
+from omniflow_services.gateway.errors import APIError, bad_request, parse_json
 from omniflow_services.gateway.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -68,8 +67,6 @@ from omniflow_services.gateway.tool_calls import (
     whole_answer,
 )
 from omniflow_services.gateway.workflow_api import WorkflowAPI
-
-M = TypeVar("M", bound=BaseModel)
 
 MAX_IMAGE_SIDE = 2048
 
@@ -137,15 +134,6 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------ helpers
 
-    async def _parse(self, request: Request, cls: type[M]) -> M:
-        body = await request.body()
-        try:
-            return cls.model_validate_json(body)
-        except ValidationError as exc:
-            if any(e.get("type") == "json_invalid" for e in exc.errors()):
-                raise bad_request("the request body is not valid JSON") from None
-            raise from_validation(exc) from None
-
     async def _stream(
         self,
         events: AsyncIterator[bytes],
@@ -187,7 +175,7 @@ class OpenAIRoutes:
     # ------------------------------------------------------------ chat
 
     async def chat(self, request: Request) -> Response:
-        req = await self._parse(request, ChatCompletionRequest)
+        req = await parse_json(request, ChatCompletionRequest)
         arrived = request.state.arrived
         rid = "chatcmpl-" + request.state.request_id.removeprefix("req-")
         messages = [_message(m) for m in req.messages]
@@ -307,7 +295,7 @@ class OpenAIRoutes:
     # ------------------------------------------------------------ completions
 
     async def completions(self, request: Request) -> Response:
-        req = await self._parse(request, CompletionRequest)
+        req = await parse_json(request, CompletionRequest)
         arrived = request.state.arrived
         rid = "cmpl-" + request.state.request_id.removeprefix("req-")
         prompts = _prompts(req.prompt)
@@ -396,7 +384,7 @@ class OpenAIRoutes:
     # ------------------------------------------------------------ images and speech
 
     async def images(self, request: Request) -> Response:
-        req = await self._parse(request, ImageRequest)
+        req = await parse_json(request, ImageRequest)
         width, height = _size(req.size)
         if req.n > self.settings.max_n:
             raise bad_request(f"n={req.n} is above this server's limit {self.settings.max_n}", "n")
@@ -419,7 +407,7 @@ class OpenAIRoutes:
         return JSONResponse(body.model_dump())
 
     async def speech(self, request: Request) -> Response:
-        req = await self._parse(request, SpeechRequest)
+        req = await parse_json(request, SpeechRequest)
         pcm = req.response_format == "pcm"  # OpenAI's pcm: raw 16-bit mono at 24 kHz
         rate = audio.PCM16_RATE if pcm else 0
         wav = await whole(

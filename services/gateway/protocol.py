@@ -20,38 +20,42 @@ from pydantic import (
 from omniflow.sampling import SamplingParams, StructuredOutput
 
 
-class _Request(BaseModel):
+class RequestShape(BaseModel):
+    """A request body: an unknown field is a 400 naming it."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class _Response(BaseModel):
+class ResponseShape(BaseModel):
+    """A response object: fields beyond the declared ones pass through."""
+
     model_config = ConfigDict(extra="allow")
 
 
 # ---------------------------------------------------------------- requests
 
 
-class ImageURL(_Request):
+class ImageURL(RequestShape):
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class TextPart(_Request):
+class TextPart(RequestShape):
     type: Literal["text"]
     text: str
 
 
-class ImagePart(_Request):
+class ImagePart(RequestShape):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class InputAudio(_Request):
+class InputAudio(RequestShape):
     data: str  # the audio file, base64
     format: Literal["wav", "mp3"]
 
 
-class AudioPart(_Request):
+class AudioPart(RequestShape):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
@@ -59,18 +63,18 @@ class AudioPart(_Request):
 ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
 
 
-class AudioRef(_Request):
+class AudioRef(RequestShape):
     """An earlier answer's audio, by the id it came with (OpenAI's multi-turn form)."""
 
     id: str
 
 
-class FunctionCall(_Request):
+class FunctionCall(RequestShape):
     name: str
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCall(_Request):
+class ToolCall(RequestShape):
     """A call an earlier assistant turn made (sent back in the history)."""
 
     id: str
@@ -78,7 +82,7 @@ class ToolCall(_Request):
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestShape):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     audio: AudioRef | None = None  # assistant messages only
@@ -88,28 +92,28 @@ class ChatMessage(_Request):
     refusal: str | None = None  # an assistant message sent back as the SDK returned it
 
 
-class FunctionDef(_Request):
+class FunctionDef(RequestShape):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None
 
 
-class Tool(_Request):
+class Tool(RequestShape):
     type: Literal["function"]
     function: FunctionDef
 
 
-class ToolChoiceFunction(_Request):
+class ToolChoiceFunction(RequestShape):
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestShape):
     type: Literal["function"]
     function: ToolChoiceFunction
 
 
-class AudioOutput(_Request):
+class AudioOutput(RequestShape):
     """``audio`` of a chat request: the voice and format of a spoken answer. Formats are
     checked by the handler, so that the error names what this server serves."""
 
@@ -117,11 +121,11 @@ class AudioOutput(_Request):
     format: str
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestShape):
     include_usage: bool = False
 
 
-class JSONSchemaFormat(_Request):
+class JSONSchemaFormat(RequestShape):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = "response"
@@ -130,14 +134,14 @@ class JSONSchemaFormat(_Request):
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestShape):
     """OpenAI's ``response_format``: free text, any JSON object, or JSON of a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class StructuredOutputs(_Request):
+class StructuredOutputs(RequestShape):
     """vLLM's ``structured_outputs``: exactly one of its constraints."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -149,7 +153,7 @@ class StructuredOutputs(_Request):
     json_object: bool | None = None
 
 
-class _Sampling(_Request):
+class _Sampling(RequestShape):
     """The sampling fields of OpenAI and vLLM, typed only: their ranges and defaults are
     the contract's (``omniflow.sampling``), applied by ``to_sampling_params``."""
 
@@ -259,7 +263,7 @@ class CompletionRequest(_Sampling):
         return data
 
 
-class ImageRequest(_Request):
+class ImageRequest(RequestShape):
     model: str
     prompt: str = Field(min_length=1)
     n: int = Field(1, ge=1)
@@ -269,7 +273,7 @@ class ImageRequest(_Request):
     user: str | None = None
 
 
-class SpeechRequest(_Request):
+class SpeechRequest(RequestShape):
     model: str
     input: str = Field(min_length=1)
     voice: str = ""  # OpenAI's names (alloy, ...) are the talker's own voice
@@ -280,18 +284,18 @@ class SpeechRequest(_Request):
 # ---------------------------------------------------------------- responses
 
 
-class PromptTokensDetails(_Response):
+class PromptTokensDetails(ResponseShape):
     cached_tokens: int = 0
 
 
-class Usage(_Response):
+class Usage(ResponseShape):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class TopLogprob(_Response):
+class TopLogprob(ResponseShape):
     token: str
     logprob: float
     bytes: list[int] | None = None
@@ -301,11 +305,11 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
-class ChoiceLogprobs(_Response):
+class ChoiceLogprobs(ResponseShape):
     content: list[TokenLogprob] | None = None
 
 
-class _SetFieldsOnly(_Response):
+class _SetFieldsOnly(ResponseShape):
     """Serialized with only the fields it carries, as OpenAI's deltas are."""
 
     @model_serializer(mode="wrap")
@@ -313,7 +317,7 @@ class _SetFieldsOnly(_Response):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatCompletionAudio(_Response):
+class ChatCompletionAudio(ResponseShape):
     """A spoken answer: base64 audio in the requested format, and what it says."""
 
     id: str
@@ -322,18 +326,18 @@ class ChatCompletionAudio(_Response):
     transcript: str
 
 
-class FunctionCallOut(_Response):
+class FunctionCallOut(ResponseShape):
     name: str
     arguments: str
 
 
-class ToolCallOut(_Response):
+class ToolCallOut(ResponseShape):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCallOut
 
 
-class AssistantMessage(_Response):
+class AssistantMessage(ResponseShape):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     audio: ChatCompletionAudio | None = None
@@ -374,7 +378,7 @@ class Delta(_SetFieldsOnly):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class _Choice(_Response):
+class _Choice(ResponseShape):
     index: int
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
@@ -388,7 +392,7 @@ class ChunkChoice(_Choice):
     delta: Delta
 
 
-class _Object(_Response):
+class _Object(ResponseShape):
     """The envelope of a completion object or chunk."""
 
     id: str
@@ -407,14 +411,14 @@ class ChatCompletionChunk(_Object):
     choices: list[ChunkChoice]
 
 
-class CompletionLogprobs(_Response):
+class CompletionLogprobs(ResponseShape):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float] = Field(default_factory=list)
     top_logprobs: list[dict[str, float]] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(_Response):
+class CompletionChoice(ResponseShape):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -426,24 +430,24 @@ class Completion(_Object):
     choices: list[CompletionChoice]
 
 
-class ModelCard(_Response):
+class ModelCard(ResponseShape):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "omniflow"
 
 
-class ModelList(_Response):
+class ModelList(ResponseShape):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
-class ImageData(_Response):
+class ImageData(ResponseShape):
     b64_json: str
     revised_prompt: str | None = None
 
 
-class ImagesResponse(_Response):
+class ImagesResponse(ResponseShape):
     created: int
     data: list[ImageData]
 

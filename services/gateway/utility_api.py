@@ -40,9 +40,8 @@ from omniflow_services.gateway.endpoint_shapes import (
     TranscriptionRequest,
     TranslationRequest,
     VersionResponse,
-    parse_json,
 )
-from omniflow_services.gateway.errors import bad_request, from_validation
+from omniflow_services.gateway.errors import bad_request, from_validation, parse_json
 from omniflow_services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
