@@ -1,4 +1,5 @@
-"""A service process started by a test (see the ``launch`` fixture in conftest.py)."""
+"""A service process started by a test (see the ``launch`` fixture in conftest.py), and a
+:class:`Launcher` that starts a topology's processes and ends them all."""
 
 from __future__ import annotations
 
@@ -87,3 +88,26 @@ def stop_all(procs: Iterable[ServiceProc], timeout_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.popen.kill()
             proc.popen.wait()
+
+
+class Launcher:
+    """Starts services into ``tmp`` on ``redis_url``'s discovery, each with ``defaults`` under
+    its own env, and keeps them: :meth:`stop` ends them all, the last started first."""
+
+    def __init__(self, tmp: Path, redis_url: str, **defaults: str) -> None:
+        self.tmp, self.redis_url, self.defaults = tmp, redis_url, defaults
+        self.started: list[ServiceProc] = []
+
+    def __call__(self, module: str, name: str, **env: str) -> ServiceProc:
+        env = {**self.defaults, **env}
+        proc = start_service(module, name, tmp=self.tmp, redis_url=self.redis_url, **env)
+        self.started.append(proc)
+        return proc
+
+    @property
+    def procs(self) -> dict[str, ServiceProc]:
+        """Every process started, by name."""
+        return {p.name: p for p in self.started}
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        stop_all(reversed(self.started), timeout_s)

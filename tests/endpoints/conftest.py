@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from endpoints_topology import API_KEY, LLM, MAX_BODY, MINILM, WHISPER, Endpoints
-from procs import ServiceProc, start_service, stop_all
+from procs import Launcher
 
 from omniflow.localredis import start_redis
 
@@ -42,14 +42,7 @@ def endpoints(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> I
     whisper_dir = pull(WHISPER, models_dir=models, progress=lambda _m: None)
     minilm_dir = pull(MINILM, models_dir=models, progress=lambda _m: None)
     redis = start_redis(dir=tmp / "redis", binary=redis_binary)
-    started: list[ServiceProc] = []
-
-    def launch(module: str, name: str, **env: str) -> ServiceProc:
-        extra = {"OMNIFLOW_NODE_ID": "ep-node", "OMP_NUM_THREADS": "1", **env}
-        proc = start_service(module, name, tmp=tmp, redis_url=redis.url, **extra)
-        started.append(proc)
-        return proc
-
+    launch = Launcher(tmp, redis.url, OMNIFLOW_NODE_ID="ep-node", OMP_NUM_THREADS="1")
     try:
         workers = [
             launch(
@@ -81,11 +74,9 @@ def endpoints(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> I
             OMNIFLOW_COORDINATOR_ADDR=coordinator.address,
             OMNIFLOW_MODELS_DIR=str(cache),
         ).wait_ready()
-        yield Endpoints(
-            gateway.info["url"], {p.name: p for p in started}, llm_dir, whisper_dir, minilm_dir
-        )
+        yield Endpoints(gateway.info["url"], launch.procs, llm_dir, whisper_dir, minilm_dir)
     finally:
-        stop_all(reversed(started), timeout_s=15)
+        launch.stop(timeout_s=15)
         redis.stop()
 
 

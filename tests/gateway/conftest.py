@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from procs import ServiceProc, start_service, stop_all
+from procs import Launcher, ServiceProc
 
 from omniflow.localredis import start_redis
 
@@ -65,14 +65,7 @@ def topology(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> It
     models = Path(os.environ.get("OMNIFLOW_MODELS_DIR", "~/.cache/omniflow/models")).expanduser()
     model_dir = _model_dir(models)
     redis = start_redis(dir=tmp / "redis", binary=redis_binary)
-    started: list[ServiceProc] = []
-
-    def launch(module: str, name: str, **env: str) -> ServiceProc:
-        extra = {"OMNIFLOW_NODE_ID": "gw-node", "OMP_NUM_THREADS": "1", **env}
-        proc = start_service(module, name, tmp=tmp, redis_url=redis.url, **extra)
-        started.append(proc)
-        return proc
-
+    launch = Launcher(tmp, redis.url, OMNIFLOW_NODE_ID="gw-node", OMP_NUM_THREADS="1")
     try:
         index = launch("omniflow_services.kv_index", "kv-index").wait_ready()
         agent = launch(
@@ -135,8 +128,7 @@ def topology(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> It
             OMNIFLOW_COORDINATOR_ADDR=coordinator.address,
             OMNIFLOW_MODELS_DIR=str(models),
         ).wait_ready()
-        procs = {p.name: p for p in started}
-        yield Topology(gateway.info["url"], procs, model_dir, redis.url, tmp)
+        yield Topology(gateway.info["url"], launch.procs, model_dir, redis.url, tmp)
     finally:
-        stop_all(reversed(started), timeout_s=15)
+        launch.stop(timeout_s=15)
         redis.stop()
