@@ -38,7 +38,9 @@ from omniflow_services.gateway.openai_api import OpenAIRoutes
 from omniflow_services.gateway.protocol import error_body
 from omniflow_services.gateway.utility_api import ROUTE_LABELS, add_routes
 
-OPEN_PATHS = ("/health", "/metrics")  # no API key, no in-flight bound
+# No API key, no in-flight bound. The API's description is open as vLLM's server leaves it
+# (its key guards /v1 only): the document lists shapes, never data.
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")
 ROUTES = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
