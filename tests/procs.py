@@ -104,6 +104,21 @@ class Launcher:
         self.started.append(proc)
         return proc
 
+    def gateway(
+        self, api_key: str, router: ServiceProc, coordinator: ServiceProc, **env: str
+    ) -> ServiceProc:
+        """The gateway (HTTP on a free port, behind ``api_key``) over ``router`` and
+        ``coordinator``, started and ready; ``env`` on top."""
+        return self(
+            "omniflow_services.gateway",
+            "gateway",
+            OMNIFLOW_GATEWAY_PORT="0",
+            OMNIFLOW_GATEWAY_API_KEY=api_key,
+            OMNIFLOW_ROUTER_ADDR=router.address,
+            OMNIFLOW_COORDINATOR_ADDR=coordinator.address,
+            **env,
+        ).wait_ready()
+
     @property
     def procs(self) -> dict[str, ServiceProc]:
         """Every process started, by name."""

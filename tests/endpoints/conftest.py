@@ -64,16 +64,13 @@ def endpoints(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> I
         ).wait_ready()
         for proc in workers:
             proc.wait_ready(timeout_s=240)
-        gateway = launch(
-            "omniflow_services.gateway",
-            "gateway",
-            OMNIFLOW_GATEWAY_PORT="0",
-            OMNIFLOW_GATEWAY_API_KEY=API_KEY,
+        gateway = launch.gateway(
+            API_KEY,
+            router,
+            coordinator,
             OMNIFLOW_GATEWAY_MAX_BODY_BYTES=str(MAX_BODY),
-            OMNIFLOW_ROUTER_ADDR=router.address,
-            OMNIFLOW_COORDINATOR_ADDR=coordinator.address,
             OMNIFLOW_MODELS_DIR=str(cache),
-        ).wait_ready()
+        )
         yield Endpoints(gateway.info["url"], launch.procs, llm_dir, whisper_dir, minilm_dir)
     finally:
         launch.stop(timeout_s=15)

@@ -117,17 +117,14 @@ def topology(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> It
         worker.wait_ready(timeout_s=240)
         for proc in others:
             proc.wait_ready(timeout_s=240)
-        gateway = launch(
-            "omniflow_services.gateway",
-            "gateway",
-            OMNIFLOW_GATEWAY_PORT="0",
-            OMNIFLOW_GATEWAY_API_KEY=API_KEY,
+        gateway = launch.gateway(
+            API_KEY,
+            router,
+            coordinator,
             OMNIFLOW_GATEWAY_MAX_BODY_BYTES=str(256 * 1024),
             OMNIFLOW_GATEWAY_MAX_IN_FLIGHT="2",
-            OMNIFLOW_ROUTER_ADDR=router.address,
-            OMNIFLOW_COORDINATOR_ADDR=coordinator.address,
             OMNIFLOW_MODELS_DIR=str(models),
-        ).wait_ready()
+        )
         yield Topology(gateway.info["url"], launch.procs, model_dir, redis.url, tmp)
     finally:
         launch.stop(timeout_s=15)
