@@ -139,6 +139,8 @@ class WorkerTable:
         self._cursor: dict[str, itertools.count[int]] = {}
         self._rng = random.Random(seed)
         self._rings: dict[str, tuple[list[int], list[str]]] = {}
+        # Per role, its workers sorted by id: built once per discovery change, not per pick.
+        self._by_role: dict[str, list[_Live]] = {}
         self._tickets = itertools.count(1)
         self.breaker_threshold, self.breaker_cooldown_s = breaker_threshold, breaker_cooldown_s
         self.outstanding_ttl_s = outstanding_ttl_s
@@ -166,6 +168,10 @@ class WorkerTable:
             fresh[w.worker_id] = live
         self._workers = fresh
         self._rings.clear()
+        by_role: dict[str, list[_Live]] = {}
+        for live in sorted(fresh.values(), key=lambda v: v.record.worker_id):
+            by_role.setdefault(live.record.role, []).append(live)
+        self._by_role = by_role
 
     def list(self, role: str = "") -> list[WorkerRecord]:
         found = [v.record for v in self._workers.values() if not role or v.record.role == role]
@@ -196,13 +202,18 @@ class WorkerTable:
         live = self._workers.get(worker_id)
         if live is None:
             return 0
-        if live.outstanding:
-            cutoff = time.monotonic() - self.outstanding_ttl_s
-            # Picks never reported (a caller that died) stop counting after a while.
-            for ticket in [t for t, at in live.outstanding.items() if at < cutoff]:
-                del live.outstanding[ticket]
+        return self._load(live, time.monotonic() - self.outstanding_ttl_s)
+
+    @staticmethod
+    def _load(live: _Live, cutoff: float) -> int:
+        outstanding = live.outstanding
+        # Tickets go in in time order, so the first is the oldest: one look says whether
+        # any pick was never reported (a caller that died) and should stop counting.
+        if outstanding and next(iter(outstanding.values())) < cutoff:
+            for ticket in [t for t, at in outstanding.items() if at < cutoff]:
+                del outstanding[ticket]
                 live.queued.pop(ticket, None)
-        return max(len(live.outstanding), live.reported_queue)
+        return max(len(outstanding), live.reported_queue)
 
     def queued_blocks(self, worker_id: str) -> float:
         """Prefill blocks of the calls outstanding on the worker (as estimated at pick)."""
@@ -254,24 +265,28 @@ class WorkerTable:
             raise InvalidArgument("role is required (e.g. 'llm', 'encoder', 'diffusion')")
         excluded = set(exclude)
         now = time.monotonic()
-        found = [
-            v
-            for v in self._workers.values()
-            if v.record.role == role
-            and v.record.worker_id not in excluded
-            and (not operation or not v.record.operations or operation in v.record.operations)
-        ]
+        found = self._by_role.get(role, [])
+        if excluded or operation:
+            found = [
+                v
+                for v in found
+                if v.record.worker_id not in excluded
+                and (not operation or not v.record.operations or operation in v.record.operations)
+            ]
         if not found:
             live = ", ".join(sorted(self.roles())) or "none"
             what = f" serving {operation!r}" if operation else ""
             raise NotFound(f"no live worker of role {role!r}{what}; live roles: {live}")
-        found.sort(key=lambda v: v.record.worker_id)
         healthy = [v for v in found if v.healthy]
-        allowed = [v for v in healthy if v.breaker is None or v.breaker.allows(now)]
+        allowed = [
+            v
+            for v in healthy
+            if v.breaker is None or v.breaker.state == "closed" or v.breaker.allows(now)
+        ]
         if not allowed:
             # Every breaker is open: try the least recently failed rather than refuse.
             self.count("all_breakers_open")
-            return healthy or found
+            return healthy or list(found)
         return allowed
 
     def pick(
@@ -412,12 +427,26 @@ class WorkerTable:
         self, cands: list[_Live], reach: list[OwnerMatch], prompt_blocks: int, load_weight: float
     ) -> list[tuple[float, float, int, _Live]]:
         """(cost, prefill blocks, reachable blocks, worker) per candidate; see the module."""
+        # Only a worker the answer names (by id or address) or one on a node it names can
+        # reach a block; every other worker starts from the whole prompt, so the answer
+        # (a few owners) is walked per worker only for those, not for all of them.
+        ids = {r.owner_id for r in reach}
+        addresses = {r.address for r in reach if r.address}
+        nodes = {r.node for r in reach if r.node}
+        cutoff = time.monotonic() - self.outstanding_ttl_s
+        whole = float(prompt_blocks)
         out = []
         for v in cands:
-            wid = v.record.worker_id
-            credit, reachable = self.reachable(v.record, reach)
-            prefill = max(prompt_blocks - credit, 0.0)
-            cost = prefill + self.queued_blocks(wid) + load_weight * self.load(wid)
+            rec = v.record
+            if rec.worker_id in ids or rec.address in addresses or rec.node in nodes:
+                credit, reachable = self.reachable(rec, reach)
+                prefill = max(prompt_blocks - credit, 0.0)
+            else:
+                prefill, reachable = whole, 0
+            load = self._load(v, cutoff) if v.outstanding else v.reported_queue
+            cost = prefill + load_weight * load
+            if v.queued:
+                cost += sum(v.queued.values())
             out.append((cost, prefill, reachable, v))
         return out
 

@@ -205,3 +205,37 @@ def test_table_skips_open_breakers_and_ignores_caller_errors():
     assert "w1" not in _ids(t, "round_robin", 6)
     t.set_health("w0", False)
     assert set(_ids(t, "round_robin", 4)) == {"w2"}
+
+
+def test_kv_aware_costs_equal_the_full_walk_of_the_answer_for_every_worker():
+    # kv_costs walks the index's answer only for workers it names or whose node it names;
+    # every cost must still be the one walking it for every worker gives.
+    import random
+
+    rng = random.Random(3)
+    t = WorkerTable(seed=1)
+    t.replace(
+        WorkerRecord(f"w{i}", "llm", f"10.0.0.{i}:1", node=f"n{i % 40}", operations=("generate",))
+        for i in range(400)
+    )
+    for i in range(0, 400, 7):
+        t.begin(f"w{i}", float(rng.randrange(0, 20)))
+    t.set_health("w5", True, queue=4)
+    reach = [
+        _owner(f"w{rng.randrange(400)}", "worker", f"n{rng.randrange(40)}", "", m, (m, 0, 0))
+        for m in (rng.randrange(1, 64) for _ in range(12))
+    ]
+    reach += [
+        _owner("a", "agent", "n3", "x", 30, (0, 20, 10)),
+        _owner("b", "agent", "", "", 9, (9, 0, 0)),
+    ]
+    reach.append(_owner("by-address", "worker", "", "10.0.0.17:1", 50, (50, 0, 0)))
+    cands = t.candidates("llm")
+    got = {v.record.worker_id: (c, p, r) for c, p, r, v in t.kv_costs(cands, reach, 64, 1.5)}
+    assert len(got) == 400 and got["w17"][2] == 50
+    for v in cands:
+        wid = v.record.worker_id
+        credit, reachable = t.reachable(v.record, reach)
+        prefill = max(64 - credit, 0.0)
+        cost = prefill + t.queued_blocks(wid) + 1.5 * t.load(wid)
+        assert got[wid] == (pytest.approx(cost), pytest.approx(prefill), reachable), wid
