@@ -43,6 +43,7 @@ _FIELDS = (
     "size", "input", "voice", "response_format", "speed", "echo", "suffix", "best_of",
     "encoding_format", "dimensions", "tokens", "add_special_tokens", "return_token_strs",
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+    "structured_outputs", "tool_choice", "parallel_tool_calls",
 )  # fmt: skip
 
 

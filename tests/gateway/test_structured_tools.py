@@ -346,3 +346,77 @@ def test_workflow_models_refuse_tools_and_constraints(client) -> None:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="workflow:any", messages=ASK, **body)
         assert info.value.body["param"] == param
+
+
+@pytest.mark.parametrize("seed", [18, 19, 20])
+def test_odd_but_well_formed_constraints_and_tools_never_500(base_url: str, seed: int) -> None:
+    """Shapes the validators accept, with contents that are odd: every answer is a 200 or a
+    400 naming a field, never a 500."""
+    import random
+
+    import httpx
+
+    rng = random.Random(seed)
+    schemas = [
+        True,
+        False,
+        {},
+        {"type": "array"},
+        {"enum": []},
+        {"$ref": "#/nope"},
+        {"type": "string", "pattern": "(("},
+        {"type": "integer", "minimum": 5, "maximum": 1},
+        {"properties": {"a": {"type": "object", "properties": {}}}},
+        {"anyOf": []},
+    ]
+    texts = ["", "[", "a{1,0}", "\\", "root ::= [", 'root ::= "a" root', "x" * 300]
+    params = [None, {}, {"type": "object", "properties": {"q": {"type": "string"}}}, *schemas]
+
+    def body() -> dict:
+        b: dict = {"model": MODEL, "messages": ASK, "max_tokens": 4, "temperature": 0}
+        kind = rng.randrange(5)
+        if kind == 0:
+            b["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"schema": rng.choice(schemas)},
+            }
+        elif kind == 1:
+            k = rng.choice(["json", "regex", "grammar", "choice"])
+            v = rng.choice(schemas) if k == "json" else rng.choice(texts)
+            b["structured_outputs"] = {k: [v] if k == "choice" else v}
+        else:
+            fn = {"name": "f", "parameters": rng.choice(params)}
+            b["tools"] = [
+                {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
+            ]
+            b["tool_choice"] = rng.choice(
+                ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]
+            )
+            b["parallel_tool_calls"] = rng.random() < 0.5
+            b["messages"] = [
+                *ASK,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": rng.choice(texts)},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": rng.choice(texts)},
+            ]
+        b["stream"] = rng.random() < 0.3
+        return b
+
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        for _ in range(30):
+            b = body()
+            reply = http.post("/chat/completions", json=b)
+            assert reply.status_code in (200, 400), (b, reply.text[:500])
+            if reply.status_code == 400:
+                assert reply.json()["error"]["param"], (b, reply.text)
+            else:  # nor an error event after the 200
+                assert '"error"' not in reply.text, (b, reply.text[:500])
