@@ -62,6 +62,20 @@ class RouterSettings(CommonSettings):
         "kv_aware: sample among near-equal workers (0: always the cheapest)",
         minimum=0,
     )
+    link_gbps: float = setting(
+        "OMNIFLOW_ROUTER_LINK_GBPS",
+        0.0,
+        "kv_aware: Gbit/s between nodes, pricing a pull of KV pages from another node "
+        "against recomputing them (a worker's link_gbps metadata overrides; 0: never pull)",
+        minimum=0,
+    )
+    prefill_tokens_s: float = setting(
+        "OMNIFLOW_ROUTER_PREFILL_TOKENS_S",
+        0.0,
+        "kv_aware: a worker's prefill speed in tokens/s, the recompute a pull is weighed "
+        "against (a worker's prefill_tokens_s metadata overrides; 0: never pull)",
+        minimum=0,
+    )
     breaker_threshold: int = setting(
         "OMNIFLOW_ROUTER_BREAKER_THRESHOLD",
         3,

@@ -15,6 +15,12 @@ while it decodes). Both load terms are in the same unit as the prefill, so a lon
 is not swamped by a count of requests, nor a count of requests by a long prompt. With a
 temperature above 0 the pick samples from ``softmax(-cost / temperature)``, spreading
 load among near-equal workers.
+
+Blocks only another node holds (its agent, or a worker there) are pulled over the link
+instead of prefilled, when that is faster: each such block beyond what the worker reaches
+on its own node is credited ``pull_credit`` = 1 - (its transfer time over the worker's
+link) / (its prefill time at the worker's prefill speed), and 0 — a recompute — when the
+transfer takes longer or no link speed is known (docs/control-flow.md).
 """
 
 from __future__ import annotations
@@ -62,6 +68,27 @@ NEUTRAL_CODES = frozenset(
         "OUT_OF_RANGE",
     }
 )
+
+
+def pull_credit(
+    page_bytes: int, page_tokens: int, link_gbps: float, prefill_tokens_s: float
+) -> float:
+    """Credit of one block pulled from another node rather than prefilled: the share of
+    its prefill time the pull saves; 0 when the pull is slower or a figure is unknown."""
+    if page_bytes <= 0 or page_tokens <= 0 or link_gbps <= 0 or prefill_tokens_s <= 0:
+        return 0.0
+    transfer_s = page_bytes * 8 / (link_gbps * 1e9)
+    recompute_s = page_tokens / prefill_tokens_s
+    return max(0.0, 1.0 - transfer_s / recompute_s)
+
+
+def _metadata_float(record: WorkerRecord, key: str) -> float | None:
+    raw = record.metadata.get(key, "")
+    try:
+        value = float(raw) if raw else None
+    except ValueError:
+        return None
+    return value if value is not None and value >= 0 and math.isfinite(value) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +149,12 @@ class _Live:
     healthy: bool = True
     breaker: CircuitBreaker | None = None
     current: float = 0.0  # smooth weighted round robin state
+    # Discovery metadata: the worker's node link (Gbit/s), prefill speed (tokens/s) and
+    # its KV page (bytes, tokens); ``pull`` is the credit per pulled block they give.
+    link_gbps: float | None = None
+    prefill_tokens_s: float | None = None
+    page: tuple[int, int] = (0, 0)
+    pull: float = 0.0
 
 
 class WorkerTable:
@@ -134,6 +167,8 @@ class WorkerTable:
         breaker_threshold: int = 3,
         breaker_cooldown_s: float = 2.0,
         outstanding_ttl_s: float = 60.0,
+        link_gbps: float = 0.0,
+        prefill_tokens_s: float = 0.0,
     ) -> None:
         self._workers: dict[str, _Live] = {}
         self._cursor: dict[str, itertools.count[int]] = {}
@@ -144,6 +179,8 @@ class WorkerTable:
         self._tickets = itertools.count(1)
         self.breaker_threshold, self.breaker_cooldown_s = breaker_threshold, breaker_cooldown_s
         self.outstanding_ttl_s = outstanding_ttl_s
+        # Defaults for workers whose metadata names no link_gbps / prefill_tokens_s.
+        self.link_gbps, self.prefill_tokens_s = link_gbps, prefill_tokens_s
         self.counters: dict[str, int] = {}
 
     def count(self, name: str, n: int = 1) -> None:
@@ -159,8 +196,17 @@ class WorkerTable:
             except ValueError:
                 weight = 1.0
             live = _Live(
-                w, weight, breaker=CircuitBreaker(self.breaker_threshold, self.breaker_cooldown_s)
+                w,
+                weight,
+                breaker=CircuitBreaker(self.breaker_threshold, self.breaker_cooldown_s),
+                link_gbps=_metadata_float(w, "link_gbps"),
+                prefill_tokens_s=_metadata_float(w, "prefill_tokens_s"),
+                page=(
+                    int(_metadata_float(w, "page_bytes") or 0),
+                    int(_metadata_float(w, "page_size") or 0),
+                ),
             )
+            live.pull = self.pull_credit(live)
             if old is not None and old.record.address == w.address:
                 live.outstanding, live.breaker = old.outstanding, old.breaker
                 live.queued = old.queued
@@ -302,11 +348,13 @@ class WorkerTable:
         temperature: float = 0.0,
         load_weight: float = 1.0,
         fallback_reason: str = "",
+        page: tuple[int, int] = (0, 0),
     ) -> PickResult:
         """One worker of ``role`` by ``strategy``; raises NotFound when none is live.
 
         For ``kv_aware``, ``reach`` is the index's answer (None: it did not answer, so
-        the pick is by load only).
+        the pick is by load only) and ``page`` the namespace's (bytes, tokens) per block,
+        which prices a pull from another node ((0, 0): unknown, never pulled).
         """
         if strategy not in STRATEGIES:
             raise InvalidArgument(
@@ -315,7 +363,7 @@ class WorkerTable:
         cands = self.candidates(role, exclude, operation)
         self.count(f"pick_{strategy}")
         result = self._choose(
-            role, strategy, cands, session_key, reach, prompt_blocks, temperature, load_weight
+            role, strategy, cands, session_key, reach, prompt_blocks, temperature, load_weight, page
         )
         if fallback_reason:
             result = PickResult(
@@ -341,6 +389,7 @@ class WorkerTable:
         prompt_blocks: int,
         temperature: float,
         load_weight: float,
+        page: tuple[int, int] = (0, 0),
     ) -> PickResult:
         if strategy == "random":
             return PickResult(self._rng.choice(cands).record, strategy)
@@ -359,7 +408,7 @@ class WorkerTable:
         if strategy == "weighted":
             return PickResult(self._weighted(cands).record, strategy)
         if strategy == "kv_aware":
-            return self._kv_aware(cands, reach, prompt_blocks, temperature, load_weight)
+            return self._kv_aware(cands, reach, prompt_blocks, temperature, load_weight, page)
         return PickResult(self._round_robin(role, cands).record, "round_robin")
 
     def _round_robin(self, role: str, cands: list[_Live]) -> _Live:
@@ -394,9 +443,21 @@ class WorkerTable:
         best.current -= total
         return best
 
-    def reachable(self, worker: WorkerRecord, reach: list[OwnerMatch]) -> tuple[float, int]:
-        """(credit, leading blocks reachable) of one worker given the index's answer."""
+    def pull_credit(self, live: _Live, page: tuple[int, int] = (0, 0)) -> float:
+        """Credit per block the worker would pull from another node (``pull_credit``), for
+        ``page`` or, when that is (0, 0), the page its metadata names."""
+        link = self.link_gbps if live.link_gbps is None else live.link_gbps
+        speed = self.prefill_tokens_s if live.prefill_tokens_s is None else live.prefill_tokens_s
+        page_bytes, page_tokens = page if page[0] > 0 else live.page
+        return pull_credit(page_bytes, page_tokens, link, speed)
+
+    def reachable(
+        self, worker: WorkerRecord, reach: list[OwnerMatch], remote_credit: float = 0.0
+    ) -> tuple[float, int]:
+        """(credit, leading blocks reachable) of one worker given the index's answer;
+        ``remote_credit`` per block only another node holds (0: those are recomputed)."""
         device = 0
+        remote = 0
         agent_blocks, host, ssd = 0, 0, 0
         sibling = 0
         for r in reach:
@@ -414,6 +475,10 @@ class WorkerTable:
                     agent_blocks = r.matched_blocks
                     host = r.blocks_per_tier[0] + r.blocks_per_tier[1]  # device entries: host
                     ssd = r.blocks_per_tier[2]
+            elif r.node and worker.node and r.node != worker.node:
+                # Another node's agent, or a worker there (written through to its agent):
+                # this worker's KV client would have its agent pull them over the link.
+                remote = max(remote, r.matched_blocks)
         if sibling > agent_blocks:
             agent_blocks, host, ssd = sibling, sibling, 0
         credit = device * CREDIT_DEVICE
@@ -421,10 +486,18 @@ class WorkerTable:
         if extra and host + ssd:
             share = host / (host + ssd)
             credit += extra * (share * CREDIT_HOST + (1 - share) * CREDIT_SSD)
-        return credit, max(device, agent_blocks)
+        local = max(device, agent_blocks)
+        if remote_credit <= 0 or remote <= local:
+            return credit, local
+        return credit + (remote - local) * remote_credit, remote
 
     def kv_costs(
-        self, cands: list[_Live], reach: list[OwnerMatch], prompt_blocks: int, load_weight: float
+        self,
+        cands: list[_Live],
+        reach: list[OwnerMatch],
+        prompt_blocks: int,
+        load_weight: float,
+        page: tuple[int, int] = (0, 0),
     ) -> list[tuple[float, float, int, _Live]]:
         """(cost, prefill blocks, reachable blocks, worker) per candidate; see the module."""
         # Only a worker the answer names (by id or address) or one on a node it names can
@@ -433,14 +506,22 @@ class WorkerTable:
         ids = {r.owner_id for r in reach}
         addresses = {r.address for r in reach if r.address}
         nodes = {r.node for r in reach if r.node}
+        # A worker on none of those nodes can only pull: the longest chain any node holds.
+        remote = max((r.matched_blocks for r in reach if r.node), default=0)
         cutoff = time.monotonic() - self.outstanding_ttl_s
         whole = float(prompt_blocks)
         out = []
         for v in cands:
             rec = v.record
+            per_block = 0.0
+            if remote:
+                per_block = v.pull if page[0] <= 0 else self.pull_credit(v, page)
             if rec.worker_id in ids or rec.address in addresses or rec.node in nodes:
-                credit, reachable = self.reachable(rec, reach)
+                credit, reachable = self.reachable(rec, reach, per_block)
                 prefill = max(prompt_blocks - credit, 0.0)
+            elif per_block > 0 and rec.node:
+                reachable = remote
+                prefill = max(prompt_blocks - remote * per_block, 0.0)
             else:
                 prefill, reachable = whole, 0
             load = self._load(v, cutoff) if v.outstanding else v.reported_queue
@@ -457,8 +538,9 @@ class WorkerTable:
         prompt_blocks: int,
         temperature: float,
         load_weight: float,
+        page: tuple[int, int] = (0, 0),
     ) -> PickResult:
-        costs = self.kv_costs(cands, reach or [], prompt_blocks, load_weight)
+        costs = self.kv_costs(cands, reach or [], prompt_blocks, load_weight, page)
         low = min(c[0] for c in costs)
         if temperature > 0 and len(costs) > 1:
             weights = [math.exp(-(c[0] - low) / temperature) for c in costs]

@@ -258,6 +258,8 @@ class RouterApp(ServiceApp):
         self.table = WorkerTable(
             breaker_threshold=settings.breaker_threshold,
             breaker_cooldown_s=settings.breaker_cooldown_s,
+            link_gbps=settings.link_gbps,
+            prefill_tokens_s=settings.prefill_tokens_s,
         )
         self.runtime: Runtime | None = None
         self._tasks: list[asyncio.Task[None]] = []

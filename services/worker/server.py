@@ -287,6 +287,8 @@ class WorkerApp(ServiceApp):
         layout = getattr(getattr(c.llm, "engine", None), "layout", None)
         if layout is not None:
             meta["page_size"] = str(layout.page_size)
+            # The router prices pulling a page from another node against recomputing it.
+            meta["page_bytes"] = str(layout.page_bytes)
         if c.llm is not None:  # the gateway refuses a max_tokens beyond it before streaming
             meta["context_length"] = str(c.llm.context_length())
         # Which of an encoder's models transcribes: the gateway serves it by that name.

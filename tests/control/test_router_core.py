@@ -7,9 +7,10 @@ import collections
 import pytest
 
 from omniflow.errors import InvalidArgument, NotFound
+from omniflow.kv.blocks import KVLayout
 from omniflow.kv.index_store import OwnerMatch
 from omniflow.workers import WorkerRecord
-from omniflow_services.router.core import CircuitBreaker, WorkerTable
+from omniflow_services.router.core import CircuitBreaker, WorkerTable, pull_credit
 
 
 def _table(n: int = 3, **kw) -> WorkerTable:
@@ -239,3 +240,83 @@ def test_kv_aware_costs_equal_the_full_walk_of_the_answer_for_every_worker():
         prefill = max(64 - credit, 0.0)
         cost = prefill + t.queued_blocks(wid) + 1.5 * t.load(wid)
         assert got[wid] == (pytest.approx(cost), pytest.approx(prefill), reachable), wid
+
+
+def _two_nodes(gbps: float, **meta: str) -> WorkerTable:
+    # SmolLM2-135M's page: 30 layers x 3 KV heads x 64 dims, bfloat16, 16 tokens.
+    page = KVLayout("smollm2", 30, 3, 64, "bfloat16", 16)
+    t = WorkerTable(seed=1, link_gbps=gbps, prefill_tokens_s=10_000.0)
+    t.replace(
+        WorkerRecord(
+            wid,
+            "llm",
+            f"198.18.0.{i}:1",
+            node=node,
+            operations=("generate",),
+            metadata={"page_bytes": str(page.page_bytes), "page_size": "16", **meta},
+        )
+        for i, (wid, node) in enumerate((("a1", "A"), ("b1", "B")))
+    )
+    return t
+
+
+def test_kv_aware_pulls_from_another_node_only_when_the_link_beats_the_prefill():
+    # A page is 368,640 bytes: 0.29 ms at 10 Gbit/s, 2.9 ms at 1 Gbit/s; prefilling its 16
+    # tokens at 10,000 tokens/s takes 1.6 ms. Node A's agent holds all 64 blocks; a1 (on
+    # A) has 30 blocks of prefill queued, b1 (on B) is idle.
+    reach = [_owner("agent-A", "agent", "A", "198.18.0.1:2", 64, (0, 64, 0))]
+    assert KVLayout("smollm2", 30, 3, 64, "bfloat16", 16).page_bytes == 368_640
+    credit_10 = 1 - (368_640 * 8 / 10e9) / (16 / 10_000)
+    assert pull_credit(368_640, 16, 10.0, 10_000.0) == pytest.approx(credit_10)
+    assert pull_credit(368_640, 16, 1.0, 10_000.0) == 0.0  # slower than recomputing
+    assert pull_credit(368_640, 16, 0.0, 10_000.0) == 0.0  # no link speed known
+
+    fast = _two_nodes(10.0)
+    fast.begin("a1", 30.0)
+    r = fast.pick("llm", "kv_aware", reach=reach, prompt_blocks=64)
+    # b1 pulls the 64 blocks: 64 x 0.18 left to prefill, against a1's 16 + 30 + 1.
+    assert r.worker.worker_id == "b1" and r.reachable_blocks == 64
+    assert r.prefill_blocks == pytest.approx(64 * (1 - credit_10))
+
+    slow = _two_nodes(1.0)
+    slow.begin("a1", 30.0)
+    r = slow.pick("llm", "kv_aware", reach=reach, prompt_blocks=64)
+    # At 1 Gbit/s b1 would recompute all 64 blocks (cost 64): a1 (cost 47) is the pick.
+    assert (r.worker.worker_id, r.cost) == ("a1", pytest.approx(16 + 30 + 1))
+    b1 = next(v for v in slow.candidates("llm") if v.record.worker_id == "b1")
+    assert slow.reachable(b1.record, reach, slow.pull_credit(b1)) == (0.0, 0)
+
+    # A worker's own link_gbps metadata overrides the setting (its node's link).
+    mixed = _two_nodes(1.0, link_gbps="10")
+    mixed.begin("a1", 30.0)
+    assert mixed.pick("llm", "kv_aware", reach=reach, prompt_blocks=64).worker.worker_id == "b1"
+
+
+def test_kv_aware_pull_costs_equal_the_full_walk_of_the_answer():
+    import random
+
+    rng = random.Random(5)
+    t = WorkerTable(seed=1, link_gbps=10.0, prefill_tokens_s=10_000.0)
+    t.replace(
+        WorkerRecord(
+            f"w{i}",
+            "llm",
+            f"10.0.1.{i}:1",
+            node=f"n{i % 30}",
+            metadata={"page_bytes": "368640", "page_size": "16"}
+            | ({"link_gbps": "1"} if i % 3 == 0 else {}),
+        )
+        for i in range(300)
+    )
+    reach = [
+        _owner(f"w{rng.randrange(300)}", "worker", f"n{rng.randrange(30)}", "", m, (m, 0, 0))
+        for m in (rng.randrange(1, 64) for _ in range(8))
+    ]
+    reach.append(_owner("agent-n4", "agent", "n4", "x", 60, (0, 50, 10)))
+    cands = t.candidates("llm")
+    got = {v.record.worker_id: (c, r) for c, _, r, v in t.kv_costs(cands, reach, 64, 1.0)}
+    longest = max(r.matched_blocks for r in reach)
+    assert {r for _, r in got.values()} >= {longest, 0}  # pulled by some, recomputed by others
+    for v in cands:
+        credit, reachable = t.reachable(v.record, reach, t.pull_credit(v))
+        assert got[v.record.worker_id] == (pytest.approx(max(64 - credit, 0.0)), reachable)

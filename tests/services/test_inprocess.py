@@ -117,6 +117,11 @@ async def test_router_lists_and_picks_live_workers(cluster):
         assert llm.workers[0].operations == ["generate", "logprobs", "penalties"]
         assert len(llm.workers[0].kv_namespace) == 32
         assert llm.workers[0].load.total_pages > 0
+        # The page an llm worker registers prices a pull from another node (kv_aware).
+        layout = cluster["llm"].app.core.llm.engine.layout
+        (record,) = cluster["router"].app.table.list("llm")
+        assert record.metadata["page_bytes"] == str(layout.page_bytes)
+        assert record.metadata["page_size"] == str(layout.page_size)
         picked = await stub.Pick(router_pb2.PickRequest(role="encoder"))
         assert picked.worker.worker_id == "enc-0"
         assert picked.strategy == router_pb2.STRATEGY_ROUND_ROBIN
