@@ -51,9 +51,15 @@ def missing_reason(binary: str | None = None) -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    # A cluster node also listens on its port + 10000 (the cluster bus), so the port must
+    # stay below 55536; the kernel's ephemeral range reaches 60999.
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port < 55536:
+            return port
+    raise RuntimeError("redis cluster: no free port below 55536 for a node and its bus")
 
 
 def _wait(check: object, what: str, timeout_s: float) -> None:
