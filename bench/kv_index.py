@@ -112,7 +112,7 @@ async def one_case(
         assert (await idx.apply_events("ingest", epoch, seq, evs)).ok
     ingest = a.events / (time.perf_counter() - t)
     t = time.perf_counter()
-    tag = idx._p  # the SETs land in the index's own slot, as the scripts' writes do
+    tag = idx._shard(ns)  # the SETs land in the namespace's slot, as the scripts' writes do
     for i in range(0, a.events, a.batch):
         pipe = client.pipeline(transaction=False)
         for j in range(i, min(a.events, i + a.batch)):

@@ -44,7 +44,7 @@ async def index(redis_server: RedisProcess) -> AsyncIterator[KVIndex]:
 
 async def block_keys(idx: KVIndex) -> int:
     """How many per-block keys exist in Redis (stale ones included)."""
-    return len([k async for k in idx._r.scan_iter(match=idx._p + b"b:*", count=1000)])
+    return len([k async for k in idx._r.scan_iter(match=idx._shard(NS) + b"b:*", count=1000)])
 
 
 def stored(hashes: list[bytes], tier: Tier = Tier.HOST) -> list[BlockEvent]:
@@ -240,3 +240,25 @@ async def test_redis_restart_with_empty_data(tmp_path: Path) -> None:
     finally:
         await client.aclose()
         server.stop()
+
+
+async def test_owner_registered_before_a_namespace_is_taken_into_it(index: KVIndex) -> None:
+    # Each namespace is a shard of its own (its own slot on a Redis Cluster). An agent that
+    # registered before a model's namespace existed publishes into it without registering
+    # again; a shard that lost its data (its run marker gone) makes it register again.
+    epoch = await owner(index, "agent", CHAIN[:2])
+    later = KVLayout("later/model", 2, 2, 8, "float16", 4)
+    await index.register_namespace(later)
+    chain = block_hashes(later.namespace, list(range(4 * 5)), 4)
+    evs = [BlockEvent(EventKind.STORED, later.namespace, h, Tier.HOST) for h in chain]
+    assert (await index.apply_events("agent", epoch, 1, evs)).ok
+    assert (await index.match_prefix(later.namespace, chain)).longest_prefix == 5
+    assert (await index.match_prefix(NS, CHAIN)).longest_prefix == 2
+    assert (await index.heartbeat("agent", epoch)).status == LeaseStatus.OK
+    assert (await index.apply_events("agent", epoch, 2, stored(CHAIN[2:3]))).ok
+    assert (await index.stats()).blocks == 8
+    shard = index._shard(later.namespace)
+    async for key in index._r.scan_iter(match=shard + b"*", count=1000):
+        await index._r.delete(key)
+    hb = await index.heartbeat("agent", epoch)
+    assert hb.status == LeaseStatus.UNKNOWN_OWNER and hb.reregister_required

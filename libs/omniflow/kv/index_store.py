@@ -1,13 +1,20 @@
 """The KV index's store (DESIGN §4.2): which owner holds which block, in which tier, on Redis.
 
 The core of the kv-index service (``omniflow_services.kv_index`` is its gRPC edge: it
-converts messages to the dataclasses below and maps the domain errors). It lives in the
-library because the key layout and its Lua scripts are a shared format: the router's direct
-``MatchPrefix`` path and the echo test worker read and write the same keys. Every
-multi-key operation is one Lua script (EVALSHA), so each call is one round trip and atomic.
+converts messages to the records of ``omniflow.kv.index_types`` and maps the domain
+errors). It lives in the library because the key layout and its Lua scripts are a shared
+format: the router's direct ``MatchPrefix`` path and the echo test worker read and write
+the same keys. Every multi-key operation on a shard is one Lua script (EVALSHA): atomic in
+its shard, and a match is one round trip.
 
-Key layout (``P`` = the prefix, default ``of:kv:``; ``hash`` is a raw 16-byte block hash,
-which already mixes in its namespace, so the namespace is checked here, not stored per block):
+Key layout. The control keys are under ``P`` (the prefix, default ``of:kv:``): ``P run``,
+``P ns``, ``P e:<owner>`` (the one epoch counter), ``P i:<owner>`` (node, address, kind,
+lease_ms) and ``P l:<owner>`` (a copy of the lease). Each namespace is a shard of its own,
+prefix ``S`` = ``P n:<namespace hex>:``, holding the keys below (``S run`` is the shard's
+marker, ``S ns`` unused); ``hash`` is a raw 16-byte block hash, which already mixes in its
+namespace, so the namespace is checked here, not stored per block. Every shard knows every
+owner: registration, heartbeat, batches and snapshots run on all shards (a batch gives each
+its own events and the clears, so each keeps the owner's sequence); a match runs on one.
 
 =============================  =========================================================
 ``P run``                      string: run id, written once per Redis data set. Missing
@@ -31,10 +38,10 @@ which already mixes in its namespace, so the namespace is checked here, not stor
 =============================  =========================================================
 
 On a Redis Cluster (``redis+cluster://`` URLs, ``omniflow.localredis.redis_client``) a prefix
-with no hash tag is wrapped in one (``{of:kv:}``), so that every key above is in one slot and
-each script touches only that slot (the run marker is each script's declared key, which a
-cluster client routes by). The index then runs on a cluster as on one Redis; it does not
-spread over the cluster's masters (docs/deploy.md).
+with no hash tag gets one per shard: ``{of:kv:}`` for the control keys, ``{of:kv:n:<ns>}:``
+for a namespace's, so that each script touches one slot (the shard's run marker is each
+script's declared key, which a cluster client routes by) while the namespaces spread over
+the masters (docs/data-flow.md). A prefix that has a hash tag keeps every key in its slot.
 
 Protocol for an owner: ``register_owner`` → (epoch, seq 0) → ``snapshot`` of what it
 holds → ``apply_events`` with seq 1, 2, … and ``heartbeat`` within the lease. A gap in seq
@@ -53,7 +60,6 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from enum import IntEnum, StrEnum
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -62,137 +68,26 @@ import redis.exceptions as redis_exc
 
 from omniflow.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from omniflow.kv.blocks import KVLayout, check_hash, check_namespace
-from omniflow.kv.events import CLEAR_KINDS, BlockEntry, BlockEvent, EventKind, Tier
+from omniflow.kv.events import CLEAR_KINDS, BlockEntry, BlockEvent, EventKind
+from omniflow.kv.index_types import (
+    EventsResult,
+    HeartbeatResult,
+    IndexStats,
+    Lease,
+    LeaseStatus,
+    MatchResult,
+    OwnerInfo,
+    OwnerKind,
+    OwnerMatch,
+    SnapshotResult,
+    SweepResult,
+)
 
 log = logging.getLogger(__name__)
 
 _LUA = Path(__file__).with_name("lua")
 _OWNER_ID = re.compile(r"^[A-Za-z0-9._:/@+-]{1,200}$")
 _SNAPSHOT_CHUNK = 8192
-
-
-class OwnerKind(StrEnum):
-    WORKER = "worker"
-    AGENT = "agent"
-
-
-class LeaseStatus(IntEnum):
-    OK = 0
-    UNKNOWN_OWNER = 1
-    STALE_EPOCH = 2
-    SEQUENCE_GAP = 3
-
-
-@dataclass(frozen=True, slots=True)
-class OwnerInfo:
-    """Who holds blocks: a worker's device pool or a node agent (host + SSD tiers)."""
-
-    owner_id: str
-    node: str
-    address: str
-    kind: OwnerKind = OwnerKind.AGENT
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """The owner's current epoch; its next event batch carries ``seq = 1``."""
-
-    owner_id: str
-    epoch: int
-    lease_ms: int
-    run_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotResult:
-    """The owner's set was replaced; its next batch carries ``next_seq``."""
-
-    owner_id: str
-    epoch: int
-    next_seq: int
-    blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class HeartbeatResult:
-    status: LeaseStatus
-    run_id: str
-    last_seq: int
-
-    @property
-    def reregister_required(self) -> bool:
-        return self.status != LeaseStatus.OK
-
-
-@dataclass(frozen=True, slots=True)
-class EventsResult:
-    """Outcome of a batch; on a gap ``last_seq`` is the last batch the index applied."""
-
-    status: LeaseStatus
-    last_seq: int
-    applied: int
-
-    @property
-    def ok(self) -> bool:
-        return self.status == LeaseStatus.OK
-
-    @property
-    def expected_seq(self) -> int:
-        """The seq the next batch must carry."""
-        return self.last_seq + 1
-
-    @property
-    def snapshot_required(self) -> bool:
-        return self.status != LeaseStatus.OK
-
-    @property
-    def reregister_required(self) -> bool:
-        return self.status in (LeaseStatus.UNKNOWN_OWNER, LeaseStatus.STALE_EPOCH)
-
-
-@dataclass(frozen=True, slots=True)
-class OwnerMatch:
-    """How many leading blocks of the chain one owner holds; ``tier`` is the slowest of them."""
-
-    owner_id: str
-    node: str
-    address: str
-    kind: str
-    matched_blocks: int
-    blocks_per_tier: tuple[int, int, int]  # device, host, ssd
-
-    @property
-    def tier(self) -> Tier:
-        return max((t for t in Tier if self.blocks_per_tier[t]), default=Tier.DEVICE)
-
-
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    """Owners sorted by matched blocks (desc), then fastest tier, then id."""
-
-    longest_prefix: int
-    owners: tuple[OwnerMatch, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class IndexStats:
-    """``blocks`` counts (owner, block) entries of live owners: a block two owners hold
-    counts twice. ``pending_garbage``: block sets of past epochs not yet swept."""
-
-    live_owners: int
-    registered_owners: int
-    blocks: int
-    blocks_per_tier: dict[str, int]
-    namespaces: int
-    pending_garbage: int
-
-
-@dataclass(frozen=True, slots=True)
-class SweepResult:
-    owners_dropped: int
-    entries_removed: int
-    pending_garbage: int
-    run_restored: bool = False
 
 
 @dataclass(slots=True)
@@ -251,11 +146,11 @@ class KVIndex:
         if redis.get_encoder().decode_responses:
             raise ValueError("KVIndex needs a Redis client with decode_responses=False")
         self._r = redis
-        if _is_cluster(redis) and not _HASH_TAG.search(prefix):
-            # Every script reads and writes keys of many owners and blocks: on a Redis
-            # Cluster they must all be in one slot, so the prefix becomes their hash tag.
-            prefix = "{" + prefix + "}"
-        self._p = prefix.encode()
+        # The namespace shards: on a Redis Cluster each gets its own hash tag (its slot),
+        # unless the prefix already carries one (then everything shares that slot).
+        self._tagged = _is_cluster(redis) and not _HASH_TAG.search(prefix)
+        self._raw = prefix.encode()
+        self._p = b"{" + self._raw + b"}" if self._tagged else self._raw
         self.default_lease_ms = default_lease_ms
         self.max_hashes = max_hashes
         self.max_events = max_events
@@ -298,6 +193,8 @@ class KVIndex:
         if self._layouts:
             mapping = {ns.hex(): json.dumps(asdict(lay)) for ns, lay in self._layouts.items()}
             await self._r.hset(self._p + b"ns", mapping=mapping)
+            for ns in self._layouts:
+                await self._r.set(self._shard(ns) + b"run", self._run_id or "-", nx=True)
 
     # --- namespaces -------------------------------------------------------------------------
 
@@ -306,6 +203,9 @@ class KVIndex:
         """Register a KV layout (idempotent); returns its 16-byte namespace."""
         ns = layout.namespace
         await self._r.hset(self._p + b"ns", ns.hex(), json.dumps(asdict(layout)))
+        # The shard's run marker says it exists and kept its data: owners registered before
+        # the namespace are then taken into it at their next call (``_adopt``).
+        await self._r.set(self._shard(ns) + b"run", self._run_id or "-", nx=True)
         self._layouts[ns] = layout
         return ns
 
@@ -330,35 +230,53 @@ class KVIndex:
         lease_ms = lease_ms or self.default_lease_ms
         if not 100 <= lease_ms <= 3_600_000:
             raise InvalidArgument(f"lease_ms must be in [100, 3600000], got {lease_ms}")
-        epoch, run, created = await self._run(
-            "register",
-            [
-                self._p,
-                owner.owner_id,
-                owner.node,
-                owner.address,
-                str(owner.kind),
-                lease_ms,
-                uuid.uuid4().hex,
-            ],
-        )
-        self._run_id = run.decode()
-        if created:
+        if await self.check_run():
             log.warning("run marker was missing at registration of %s", owner.owner_id)
-            await self._restore_namespaces()
-        return Lease(owner.owner_id, int(epoch), lease_ms, self._run_id)
+        # One epoch for every shard: the control slot's counter.
+        epoch = int(await self._r.incr(self._p + b"e:" + owner.owner_id.encode()))
+        args = [owner.owner_id, owner.node, owner.address, str(owner.kind), lease_ms]
+        # What a shard needs to take the owner in later (a namespace registered after it).
+        await self._r.hset(
+            self._p + b"i:" + owner.owner_id.encode(),
+            mapping=dict(
+                zip(("node", "address", "kind", "lease_ms"), map(str, args[1:]), strict=True)
+            ),
+        )
+        await self._on_shards("register", await self._shards(), [*args, uuid.uuid4().hex, epoch])
+        await self._control_refresh(owner.owner_id, lease_ms)
+        return Lease(owner.owner_id, epoch, lease_ms, self._run_id)
 
     @_unavailable_on_redis_error
     async def heartbeat(self, owner_id: str, epoch: int) -> HeartbeatResult:
         _check_owner_id(owner_id)
-        status, run, seq = await self._run("heartbeat", [self._p, owner_id, epoch])
-        return HeartbeatResult(LeaseStatus(status), run.decode(), int(seq))
+        shards = await self._shards()
+        run = (await self._r.get(self._p + b"run") or b"").decode()
+        if not shards:
+            status, seq = await self._control_lease(owner_id, epoch), 0
+            return HeartbeatResult(status, run, seq)
+        rows = await self._on_shards("heartbeat", shards, [owner_id, epoch])
+        known = [int(r[2]) for r in rows if int(r[0]) != LeaseStatus.UNKNOWN_OWNER]
+        answers = []
+        for shard, row in zip(shards, rows, strict=True):
+            if int(row[0]) == LeaseStatus.UNKNOWN_OWNER and await self._adoptable(
+                shard, owner_id, epoch
+            ):
+                if not known:
+                    continue  # taken in at its first batch, which names the sequence
+                await self._adopt(shard, owner_id, epoch, min(known))
+                row = await self._run_on(shard, "heartbeat", [owner_id, epoch])
+            answers.append((int(row[0]), int(row[2])))
+        status, seq = _worst(answers) if answers else (LeaseStatus.OK, 0)
+        if status == LeaseStatus.OK:
+            await self._control_refresh(owner_id)
+        return HeartbeatResult(LeaseStatus(status), run, seq)
 
     @_unavailable_on_redis_error
     async def deregister_owner(self, owner_id: str) -> None:
         """Drop an owner now (graceful shutdown); its entries are swept in the background."""
         _check_owner_id(owner_id)
-        await self._run("sweep", [self._p, 0, owner_id])
+        await self._r.delete(self._p + b"l:" + owner_id.encode())
+        await self._on_shards("sweep", await self._shards(), [0, owner_id])
 
     # --- events -----------------------------------------------------------------------------
 
@@ -379,10 +297,33 @@ class KVIndex:
         if seq < 1:
             raise InvalidArgument(f"seq must be >= 1, got {seq}")
         await self._check_namespaces(ev.namespace for ev in events if ev.kind not in CLEAR_KINDS)
-        status, last, applied = await self._run(
-            "apply", [self._p, owner_id, epoch, "E", seq, pack_events(events)]
+        shards = await self._shards()
+        if not shards:
+            status = await self._control_lease(owner_id, epoch)
+            return EventsResult(status, seq if status == LeaseStatus.OK else 0, 0)
+        # Every shard sees every batch (its namespace's events and the clears; none for the
+        # others), so each keeps the owner's sequence and lease.
+        per_shard: dict[bytes, list[BlockEvent]] = {sh: [] for sh in shards}
+        for ev in events:
+            if ev.kind in CLEAR_KINDS:
+                for evs in per_shard.values():
+                    evs.append(ev)
+            else:
+                per_shard.setdefault(self._shard(ev.namespace), []).append(ev)
+        batches = [(sh, pack_events(evs)) for sh, evs in per_shard.items()]
+        args = [owner_id, epoch, "E", seq]
+        rows = list(
+            await asyncio.gather(*(self._run_on(sh, "apply", [*args, b]) for sh, b in batches))
         )
-        result = EventsResult(LeaseStatus(status), int(last), int(applied))
+        for i, (shard, packed) in enumerate(batches):
+            if int(rows[i][0]) == LeaseStatus.UNKNOWN_OWNER:
+                if await self._adopt(shard, owner_id, epoch, seq - 1):
+                    rows[i] = await self._run_on(shard, "apply", [*args, packed])
+        status, last = _worst([(int(r[0]), int(r[1])) for r in rows])
+        applied = len(events) if status == LeaseStatus.OK else 0
+        if status == LeaseStatus.OK:
+            await self._control_refresh(owner_id)
+        result = EventsResult(LeaseStatus(status), last, applied)
         if not result.ok:
             log.info("events of %s epoch %s seq %s refused: %s", owner_id, epoch, seq, result)
         return result
@@ -401,19 +342,33 @@ class KVIndex:
             raise InvalidArgument(f"seq must be >= 0, got {seq}")
         events = [BlockEvent(EventKind.STORED, e.namespace, e.block_hash, e.tier) for e in entries]
         await self._check_namespaces(e.namespace for e in entries)
-        status, _ = await self._run("snapshot_begin", [self._p, owner_id, epoch, seq])
+        shards = await self._shards()
+        rows = await self._on_shards("snapshot_begin", shards, [owner_id, epoch, seq])
+        for i, shard in enumerate(shards):
+            if int(rows[i][0]) == LeaseStatus.UNKNOWN_OWNER:
+                if await self._adopt(shard, owner_id, epoch, seq):
+                    rows[i] = [LeaseStatus.OK, seq]
+        status = (
+            _worst([(int(r[0]), 0) for r in rows])[0]
+            if shards
+            else await self._control_lease(owner_id, epoch)
+        )
         if status != LeaseStatus.OK:
             raise FailedPrecondition(
                 f"owner {owner_id} epoch {epoch} is not current ({LeaseStatus(status).name}); "
                 "register again, then send the snapshot"
             )
-        for i in range(0, len(events), _SNAPSHOT_CHUNK):
-            chunk = pack_events(events[i : i + _SNAPSHOT_CHUNK])
-            status, _, _ = await self._run("apply", [self._p, owner_id, epoch, "S", 0, chunk])
-            if status != LeaseStatus.OK:
-                raise FailedPrecondition(
-                    f"owner {owner_id} lost its lease during the snapshot; register again"
-                )
+        by_shard: dict[bytes, list[BlockEvent]] = {}
+        for ev in events:
+            by_shard.setdefault(self._shard(ev.namespace), []).append(ev)
+        for shard, evs in by_shard.items():
+            for i in range(0, len(evs), _SNAPSHOT_CHUNK):
+                chunk = pack_events(evs[i : i + _SNAPSHOT_CHUNK])
+                status, _, _ = await self._run_on(shard, "apply", [owner_id, epoch, "S", 0, chunk])
+                if status != LeaseStatus.OK:
+                    raise FailedPrecondition(
+                        f"owner {owner_id} lost its lease during the snapshot; register again"
+                    )
         return SnapshotResult(owner_id, epoch, seq + 1, len(events))
 
     # --- queries ----------------------------------------------------------------------------
@@ -428,7 +383,7 @@ class KVIndex:
         await self.layout(namespace)
         if not hashes:
             return MatchResult(0, ())
-        rows = await self._run("match", [self._p, b"".join(hashes)])
+        rows = await self._run_on(self._shard(namespace), "match", [b"".join(hashes)])
         owners = [
             OwnerMatch(
                 owner_id=r[0].decode(),
@@ -445,14 +400,17 @@ class KVIndex:
 
     @_unavailable_on_redis_error
     async def stats(self) -> IndexStats:
-        live, reg, t0, t1, t2, nns, gc = await self._run("stats", [self._p])
+        shards = await self._shards()
+        rows = [[int(x) for x in r] for r in await self._on_shards("stats", shards, [])]
+        # Every owner is registered in every shard: its count is the largest shard's.
+        t0, t1, t2 = (sum(r[i] for r in rows) for i in (2, 3, 4))
         return IndexStats(
-            live_owners=int(live),
-            registered_owners=int(reg),
-            blocks=int(t0) + int(t1) + int(t2),
-            blocks_per_tier={"device": int(t0), "host": int(t1), "ssd": int(t2)},
-            namespaces=int(nns),
-            pending_garbage=int(gc),
+            live_owners=max((r[0] for r in rows), default=0),
+            registered_owners=max((r[1] for r in rows), default=0),
+            blocks=t0 + t1 + t2,
+            blocks_per_tier={"device": t0, "host": t1, "ssd": t2},
+            namespaces=len(shards),
+            pending_garbage=sum(r[6] for r in rows),
         )
 
     # --- maintenance ------------------------------------------------------------------------
@@ -462,13 +420,16 @@ class KVIndex:
         """Drop owners whose lease lapsed and remove stale entries, in bounded chunks."""
         restored = await self.check_run()
         dropped = removed = pending = 0
-        for _ in range(max_steps):
-            d, r, pending = await self._run("sweep", [self._p, self.sweep_chunk, ""])
-            dropped += int(d)
-            removed += int(r)
-            if not pending:
-                break
-        return SweepResult(dropped, removed, int(pending), restored)
+        for shard in await self._shards():
+            for _ in range(max_steps):
+                d, r, left = await self._run_on(shard, "sweep", [self.sweep_chunk, ""])
+                removed += int(r)
+                if d:  # an owner whose lease lapsed lapsed in every shard: count it once
+                    dropped = max(dropped, int(d))
+                if not left:
+                    break
+            pending += int(left)
+        return SweepResult(dropped, removed, pending, restored)
 
     async def maintenance_loop(self, interval_s: float, stop: asyncio.Event) -> None:
         """Sweep every ``interval_s`` until ``stop`` is set; errors are logged, not raised."""
@@ -484,10 +445,68 @@ class KVIndex:
             except TimeoutError:
                 pass
 
-    async def _run(self, script: str, args: list[Any]) -> Any:
-        # The run marker is declared as the script's key: it names the slot (a cluster client
-        # routes by it) where every key the script builds from the prefix lives.
-        return await getattr(self._s, script)(keys=[self._p + b"run"], args=args)
+    def _shard(self, namespace: bytes) -> bytes:
+        """The key prefix of a namespace's shard: its blocks, owner sets and leases."""
+        if self._tagged:
+            return b"{" + self._raw + b"n:" + namespace.hex().encode() + b"}:"
+        return self._p + b"n:" + namespace.hex().encode() + b":"
+
+    async def _shards(self) -> list[bytes]:
+        # Read every time: another process may have registered a namespace since.
+        names = await self._r.hkeys(self._p + b"ns")
+        return sorted(self._shard(bytes.fromhex(n.decode())) for n in names)
+
+    async def _adopt(self, shard: bytes, owner_id: str, epoch: int, seq: int) -> bool:
+        """Take a current owner into a shard that does not know it: a namespace registered
+        after the owner, which it holds nothing of yet. Not a shard that lost its data (its
+        run marker is gone): there the owner must register again and send its snapshot."""
+        if not await self._adoptable(shard, owner_id, epoch):
+            return False
+        info = await self._r.hmget(
+            self._p + b"i:" + owner_id.encode(), "node", "address", "kind", "lease_ms"
+        )
+        if info[3] is None:
+            return False
+        node, address, kind, lease_ms = (v.decode() for v in info)
+        args = [owner_id, node, address, kind, lease_ms, uuid.uuid4().hex, epoch]
+        await self._run_on(shard, "register", args)
+        status, _ = await self._run_on(shard, "snapshot_begin", [owner_id, epoch, seq])
+        return int(status) == LeaseStatus.OK
+
+    async def _adoptable(self, shard: bytes, owner_id: str, epoch: int) -> bool:
+        if not await self._r.exists(shard + b"run"):
+            return False
+        return await self._control_lease(owner_id, epoch) == LeaseStatus.OK
+
+    async def _control_lease(self, owner_id: str, epoch: int) -> LeaseStatus:
+        """The lease status when no namespace exists yet: the control slot's epoch only."""
+        # Both keys are in the control slot.
+        cur, live = await self._r.mget(
+            self._p + b"e:" + owner_id.encode(), self._p + b"l:" + owner_id.encode()
+        )
+        if cur is None:
+            return LeaseStatus.UNKNOWN_OWNER
+        if int(cur) != int(epoch) or live is None:
+            return LeaseStatus.STALE_EPOCH
+        return LeaseStatus.OK
+
+    async def _control_refresh(self, owner_id: str, lease_ms: int | None = None) -> None:
+        """The control slot's copy of the lease (what ``_adopt`` trusts) lives as long."""
+        key = self._p + b"l:" + owner_id.encode()
+        if lease_ms is not None:
+            await self._r.set(key, 1, px=lease_ms)
+            return
+        raw = await self._r.hget(self._p + b"i:" + owner_id.encode(), "lease_ms")
+        if raw is not None:
+            await self._r.pexpire(key, int(raw))
+
+    async def _run_on(self, shard: bytes, script: str, args: list[Any]) -> Any:
+        # The shard's run marker is declared as the script's key: it names the slot (a
+        # cluster client routes by it) where every key the script builds from it lives.
+        return await getattr(self._s, script)(keys=[shard + b"run"], args=[shard, *args])
+
+    async def _on_shards(self, script: str, shards: list[bytes], args: list[Any]) -> list[Any]:
+        return list(await asyncio.gather(*(self._run_on(sh, script, args) for sh in shards)))
 
     async def _check_namespaces(self, namespaces: Iterable[bytes]) -> None:
         for ns in set(namespaces):
@@ -495,6 +514,20 @@ class KVIndex:
 
 
 _HASH_TAG = re.compile(r"\{[^}]+\}")
+# Which status wins when shards disagree: a re-registration over a snapshot over success.
+_SEVERITY = {
+    LeaseStatus.OK: 0,
+    LeaseStatus.SEQUENCE_GAP: 1,
+    LeaseStatus.STALE_EPOCH: 2,
+    LeaseStatus.UNKNOWN_OWNER: 3,
+}
+
+
+def _worst(rows: list[tuple[int, int]]) -> tuple[LeaseStatus, int]:
+    """(status, seq) of the shard answers: the most severe status; its shard's seq (the
+    lowest seq among equals, so that a lagging shard asks for what it lacks)."""
+    status, seq = min(rows, key=lambda r: (-_SEVERITY[LeaseStatus(r[0])], r[1]))
+    return LeaseStatus(status), seq
 
 
 def _is_cluster(client: Any) -> bool:
