@@ -53,9 +53,9 @@ class Security:
         settings.check()
         sec = cls(settings)
         if settings.tls_on:
-            sec.ca, sec.cert, sec.key = _read_tls(settings)
-            sec.identity = identity_of_pem(sec.cert)
             sec._files = _tls_signature(settings)
+            sec.ca, sec.cert, sec.key = _read_pair(settings)
+            sec.identity = identity_of_pem(sec.cert)
         if settings.tokens_file:
             # Read again when it changes: a removed token stops working within CHECK_S.
             sec.token_file = Reloading(
@@ -201,6 +201,24 @@ def _read_tls(settings: SecuritySettings) -> tuple[bytes, bytes, bytes]:
         Path(settings.tls_cert).read_bytes(),
         Path(settings.tls_key).read_bytes(),
     )
+
+
+def _read_pair(settings: SecuritySettings, wait_s: float = 2.0) -> tuple[bytes, bytes, bytes]:
+    """The TLS files as a matching pair: a process started while ``omniflow certs rotate``
+    is between renaming the new key and the new certificate reads them again (briefly),
+    instead of handing gRPC a certificate with another's key."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        ca, cert, key = _read_tls(settings)
+        try:
+            _check_pair(cert, key)
+            return ca, cert, key
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise InvalidArgument(
+                    f"TLS key {settings.tls_key} does not match certificate {settings.tls_cert}"
+                ) from None
+            time.sleep(0.02)
 
 
 def _tls_signature(settings: SecuritySettings) -> tuple[int, int, int] | None:
