@@ -73,7 +73,9 @@ def test_aiperf_fixed_length_against_the_gateway(tmp_path: Path) -> None:
     assert row.requests == 6, row
     # ignore_eos: every answer exactly the asked length, as the server counts it (the usage
     # aiperf collected from each response). aiperf's own count tokenizes the sampled text
-    # again, which merges or splits a few tokens at sampled boundaries: near, not equal.
+    # again, which merges or splits tokens at sampled boundaries and counts none for the
+    # special tokens an ignore_eos answer runs through (their text is skipped): never more
+    # than a few past the asked length, and possibly well under it (19 of 24 seen in CI).
     assert row.completion_min == row.completion_max == OSL, row
-    assert OSL - 4 <= row.osl_min <= row.osl_max <= OSL + 4, row
+    assert 0 < row.osl_min <= row.osl_max <= OSL + 4, row
     assert row.ttft_p50 > 0 and row.tok_s > 0, row

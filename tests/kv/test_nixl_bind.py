@@ -7,8 +7,11 @@ on the process's own listening sockets as the kernel lists them (/proc/net/tcp*)
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -70,19 +73,23 @@ def test_devices_follow_the_bind_address() -> None:
         ucx_devices("", "198.18.255.254")  # held by no interface here
 
 
+def _fresh_agent_listeners(devices: str | None) -> set[str]:
+    """The TCP addresses a NIXL agent opens, in a process of its own: UCX opens its
+    listener once per process, so an agent made earlier in this test session (other kv
+    tests) would hide it from a before/after comparison here."""
+    out = subprocess.run(
+        [sys.executable, __file__, json.dumps(devices)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 @pytest.mark.skipif(nixl_unavailable_reason() is not None, reason=str(nixl_unavailable_reason()))
 def test_ucx_listens_on_loopback_only() -> None:
-    before = _listening()
-    buf = np.zeros(1 << 16, np.uint8)
-    channel = NixlChannel("bind-test", ucx_devices("", "127.0.0.1"))
-    try:
-        channel.register_blocking(buf.ctypes.data, buf.nbytes)
-        opened = _listening() - before
-        assert opened, "the NIXL agent opened no TCP listener (nothing to check)"
-        assert all(ipaddress.ip_address(a).is_loopback for a in opened), opened
-        assert "UCX_NET_DEVICES" not in os.environ or os.environ["UCX_NET_DEVICES"] != "lo"
-    finally:
-        channel.close()
+    opened = _fresh_agent_listeners(ucx_devices("", "127.0.0.1"))
+    assert opened, "the NIXL agent opened no TCP listener (nothing to check)"
+    assert all(ipaddress.ip_address(a).is_loopback for a in opened), opened
 
 
 @pytest.mark.skipif(nixl_unavailable_reason() is not None, reason=str(nixl_unavailable_reason()))
@@ -91,10 +98,14 @@ def test_ucx_default_listens_on_other_interfaces_too() -> None:
     external = _external_ipv4()
     if external is None:
         pytest.skip("this machine has no non-loopback IPv4 interface")
+    assert external in _fresh_agent_listeners(None)
+
+
+if __name__ == "__main__":  # the agent of _fresh_agent_listeners
+    before = _listening()
     buf = np.zeros(1 << 16, np.uint8)
-    channel = NixlChannel("bind-default", None)
-    try:
-        channel.register_blocking(buf.ctypes.data, buf.nbytes)
-        assert external in _listening()
-    finally:
-        channel.close()
+    channel = NixlChannel("bind-test", json.loads(sys.argv[1]))
+    channel.register_blocking(buf.ctypes.data, buf.nbytes)
+    print(json.dumps(sorted(_listening() - before)), flush=True)
+    channel.close()
+    os._exit(0)  # NIXL's own teardown at interpreter exit can crash on some machines
