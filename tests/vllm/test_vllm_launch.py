@@ -31,7 +31,12 @@ def test_a_worker_runs_with_the_python_its_env_names(tmp_path: Path, private_red
     }
     proc = local._spawn(tmp_path, "llm-1", "worker", env)
     try:
-        argv0 = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        # Read once the child has exec'd: right after the fork its cmdline is empty (or the
+        # parent's), so wait a little for the interpreter it names.
+        argv0, end = "", time.monotonic() + 10
+        while argv0 != str(VLLM_PYTHON) and time.monotonic() < end:
+            argv0 = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+            time.sleep(0.01)
         assert argv0 == str(VLLM_PYTHON)
         ready = tmp_path / "ready" / "llm-1.json"
         end = time.monotonic() + 60
