@@ -131,11 +131,13 @@ def test_bash_snippets_run_as_written(readme_topology) -> None:
     chain = next(r for r in runs if "draft" in r and "answer" in r)
     assert chain["draft"].strip() and chain["answer"].strip(), chain
     progress = done.stderr
-    # polish runs once per phrase of the streamed draft (a sentence, or 400 characters),
-    # never once per token: at most as many calls as the draft has phrases.
+    # polish runs once per phrase of the streamed draft, never once per token: a short first
+    # phrase (its first few words), then whole sentences or long clauses (or 400 characters),
+    # then the rest. At most as many calls as the draft has phrase marks, plus those two.
     calls = [ln for ln in progress.splitlines() if "> polish on" in ln]
     draft = chain["draft"]
-    phrases = len(re.findall(r"[.!?](?:\s|$)", draft)) + len(draft) // 400 + 1
+    marks = len(re.findall(r"[.!?\u2026,;:\n](?:\s|$)", draft))
+    phrases = 1 + marks + len(draft) // 400 + 1
     assert 0 < len(calls) <= phrases, (calls, draft)
     assert "FAILED" not in progress, progress[-3000:]
     # The spoken assistant wrote its answer's speech; the image pipeline its PNG.
