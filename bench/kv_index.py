@@ -39,6 +39,7 @@ from omniflow.testing.redis_cluster import local_cluster, missing_reason
 from omniflow.workers import WorkerRecord
 from omniflow_services.router.core import WorkerTable
 
+LOAD_LEASE_MS = 3_600_000
 LAYOUT = KVLayout("bench/model", 16, 8, 64, "bfloat16", 16)
 
 
@@ -79,7 +80,9 @@ async def one_case(
     chains: list[list[bytes]] = []
     for i in range(owners):
         chain = block_hashes(ns, [i * 1_000_003 + t for t in range(16 * per)], 16)
-        lease = await idx.register_owner(OwnerInfo(f"owner-{i}", f"node-{i % 8}", f"a{i}:1"))
+        # A lease that outlives the loading (10^7 blocks take minutes): the owners stay live.
+        info = OwnerInfo(f"owner-{i}", f"node-{i % 8}", f"a{i}:1")
+        lease = await idx.register_owner(info, lease_ms=LOAD_LEASE_MS)
         for start in range(0, per, 65_536):  # snapshots in chunks keep each script short
             entries = [BlockEntry(ns, h, Tier((i + j) % 3)) for j, h in
                        enumerate(chain[start : start + 65_536], start)]  # fmt: skip
@@ -104,7 +107,7 @@ async def one_case(
         ping.append(time.perf_counter() - t)
         assert res.longest_prefix == len(chain), (res.longest_prefix, len(chain))
     hashes = block_hashes(ns, list(range(10**9, 10**9 + 16 * a.events)), 16)
-    lease = await idx.register_owner(OwnerInfo("ingest", "node", "addr"))
+    lease = await idx.register_owner(OwnerInfo("ingest", "node", "addr"), lease_ms=LOAD_LEASE_MS)
     epoch = (await idx.snapshot("ingest", lease.epoch, [])).epoch
     t = time.perf_counter()
     for seq, i in enumerate(range(0, a.events, a.batch), 1):
@@ -119,6 +122,7 @@ async def one_case(
             pipe.set(tag + b"x:" + hashes[j], b"1")
         await pipe.execute()
     set_rate = a.events / (time.perf_counter() - t)
+    await client.flushall()  # the next case starts empty: 10^7 blocks are gigabytes
     return {
         "match_p50_ms": statistics.median(match) * 1e3,
         "match_p99_ms": pct(match, 0.99) * 1e3,
