@@ -19,7 +19,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from omniflow.api.common.v1 import common_pb2
@@ -31,85 +30,24 @@ from omniflow.errors import NotFound, OmniflowError, Unavailable
 from omniflow.finish import finish_from_proto
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
-from omniflow.sampling import SamplingParams
 from omniflow.values import from_python, to_python
 from omniflow.wav import wav_bytes
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
 from omniflow_services.gateway.config import GatewaySettings
 from omniflow_services.gateway.replicas import BACKOFF_S, MAX_BACKOFF_S, Replicas
+from omniflow_services.gateway.types import (
+    GenChunk,
+    GenerateCall,
+    NodeInfo,
+    Picked,
+    RunChunk,
+    WorkflowInfo,
+)
 
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 0.02
 RUN_STREAM_SLACK_S = 10.0  # a run's stream outlives its deadline by this much
-
-
-@dataclass(frozen=True, slots=True)
-class MediaPart:
-    data: bytes
-    mime_type: str
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateCall:
-    """One Generate: token ids (text) or chat messages with media parts (multimodal)."""
-
-    request_id: str
-    sampling: SamplingParams
-    token_ids: list[int] | None = None
-    messages: list[tuple[str, list[str | MediaPart]]] | None = None
-
-
-@dataclass(slots=True)
-class GenChunk:
-    """One streamed piece of a generation; ``finish_reason`` and usage on the last."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Picked:
-    worker_id: str
-    address: str
-
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    """A top-level call node of a workflow: what it calls and its static params."""
-
-    role: str
-    operation: str
-    params: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class WorkflowInfo:
-    name: str
-    inputs: tuple[tuple[str, int, bool], ...]  # (name, value type, optional)
-    outputs: dict[str, str]  # graph output -> producing node ("" when not a node output)
-    #: graph output -> the producing node's output name ("" when not a node output)
-    sources: dict[str, str] = field(default_factory=dict)
-    output_types: dict[str, int] = field(default_factory=dict)  # graph output -> value type
-    nodes: dict[str, NodeInfo] = field(default_factory=dict)  # top-level call nodes
-
-
-@dataclass(slots=True)
-class RunChunk:
-    """A workflow's streamed text or bytes (``node``/``output``), or its end (``outputs``)."""
-
-    node: str = ""
-    output: str = ""
-    text: str = ""
-    data: bytes = b""
-    outputs: dict[str, Any] | None = None
-    error: str = ""
 
 
 def _strategy(name: str) -> int:

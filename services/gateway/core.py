@@ -26,8 +26,10 @@ from omniflow.security import policy
 from omniflow.workers import WorkerRecord
 from omniflow_services.gateway import metrics
 from omniflow_services.gateway.audio import talker_voice
-from omniflow_services.gateway.backends import (
-    Backends,
+from omniflow_services.gateway.backends import Backends
+from omniflow_services.gateway.config import GatewaySettings
+from omniflow_services.gateway.fairshare import TenantShare
+from omniflow_services.gateway.types import (
     GenChunk,
     GenerateCall,
     MediaPart,
@@ -35,8 +37,6 @@ from omniflow_services.gateway.backends import (
     RunChunk,
     WorkflowInfo,
 )
-from omniflow_services.gateway.config import GatewaySettings
-from omniflow_services.gateway.fairshare import TenantShare
 from omniflow_services.gateway.workflows import data_url
 
 log = logging.getLogger(__name__)

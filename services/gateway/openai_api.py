@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from omniflow.chat.tools import tool_format_for
 from omniflow.sampling import SamplingError, SamplingParams, StructuredOutput
 from omniflow_services.gateway import audio, metrics
-from omniflow_services.gateway.backends import GenChunk
 from omniflow_services.gateway.config import GatewaySettings
 from omniflow_services.gateway.core import WORKFLOW_PREFIX, GatewayCore, Prepared
 from omniflow_services.gateway.errors import APIError, bad_request, parse_json
@@ -66,6 +65,7 @@ from omniflow_services.gateway.tool_calls import (
     template_options,
     whole_answer,
 )
+from omniflow_services.gateway.types import GenChunk
 from omniflow_services.gateway.workflow_api import WorkflowAPI
 
 MAX_IMAGE_SIDE = 2048

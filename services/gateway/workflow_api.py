@@ -26,7 +26,6 @@ from fastapi.responses import JSONResponse, Response
 from omniflow.errors import InvalidArgument
 from omniflow.sampling import SamplingError
 from omniflow_services.gateway import audio, metrics
-from omniflow_services.gateway.backends import MediaPart, WorkflowInfo
 from omniflow_services.gateway.core import WORKFLOW_PREFIX, GatewayCore
 from omniflow_services.gateway.errors import APIError, bad_request
 from omniflow_services.gateway.protocol import (
@@ -44,6 +43,7 @@ from omniflow_services.gateway.protocol import (
     ImagesResponse,
 )
 from omniflow_services.gateway.replies import DONE, param_model, sse, streaming, usage, whole
+from omniflow_services.gateway.types import MediaPart, WorkflowInfo
 from omniflow_services.gateway.workflows import (
     HEARD_OUTPUT,
     Recall,

@@ -36,7 +36,7 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.errors import InvalidArgument, OmniflowError
 from omniflow.values import VType
 from omniflow_services.gateway.audio import TALKER_DEFAULT_RATE
-from omniflow_services.gateway.backends import MediaPart, WorkflowInfo
+from omniflow_services.gateway.types import MediaPart, WorkflowInfo
 
 ANSWER_OUTPUTS = ("answer", "text", "output", "response")
 AUDIO_OUTPUTS = ("audio", "speech", "wav", "pcm")

@@ -14,7 +14,8 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.dsl import VType, Workflow
 from omniflow.errors import InvalidArgument
 from omniflow_services.gateway import audio
-from omniflow_services.gateway.backends import WorkflowInfo, workflow_info
+from omniflow_services.gateway.backends import workflow_info
+from omniflow_services.gateway.types import WorkflowInfo
 from omniflow_services.gateway.workflows import (
     Recall,
     answer_output,
