@@ -7,7 +7,7 @@ partial tail page of a request stays private to the worker that holds it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,29 +140,53 @@ def hash_page(parent: bytes, namespace: bytes, tokens: Sequence[int], extra: byt
     return h.digest()
 
 
-def block_hashes(
+def extend_chain(
+    chain: list[bytes],
     namespace: bytes,
     tokens: Sequence[int],
     page_size: int = DEFAULT_PAGE_SIZE,
-    extra_keys: dict[int, bytes] | None = None,
+    extra: Mapping[int, bytes] | None = None,
+    *,
+    pages: int | None = None,
     parent: bytes = ROOT_PARENT,
 ) -> list[bytes]:
-    """Hashes of every full page of ``tokens``; the partial tail page has none.
+    """Extend ``chain`` in place to the hashes of more full pages of ``tokens``; return the
+    new ones. The one hashing loop of block identity: every chain is built here.
 
-    ``extra_keys`` maps a page index to its encoded extra keys (``encode_extra_keys``).
+    ``tokens`` is the whole sequence from page 0 and ``chain`` the hashes of its first
+    ``len(chain)`` pages (a caller keeps the list and extends it as tokens arrive, hashing
+    each page once). ``pages`` caps the chain's length (default: every full page);
+    ``extra`` maps a page index to its encoded extra keys (``encode_extra_keys``, the
+    tenant salt); ``parent`` is the hash before page 0 (the root for a whole sequence).
     """
     if page_size <= 0:
         raise BlockIdentityError(f"page_size must be > 0, got {page_size}")
     if len(namespace) != HASH_BYTES:
         raise BlockIdentityError(f"namespace must be {HASH_BYTES} bytes, got {len(namespace)}")
-    extra_keys = extra_keys or {}
-    out: list[bytes] = []
-    for i in range(len(tokens) // page_size):
-        parent = hash_page(
-            parent, namespace, tokens[i * page_size : (i + 1) * page_size], extra_keys.get(i, b"")
-        )
-        out.append(parent)
-    return out
+    full = len(tokens) // page_size
+    stop = full if pages is None else min(pages, full)
+    first = len(chain)
+    last = chain[-1] if chain else parent
+    for i in range(first, stop):
+        page_extra = extra.get(i, b"") if extra else b""
+        last = hash_page(last, namespace, tokens[i * page_size : (i + 1) * page_size], page_extra)
+        chain.append(last)
+    return chain[first:]
+
+
+def block_hashes(
+    namespace: bytes,
+    tokens: Sequence[int],
+    page_size: int = DEFAULT_PAGE_SIZE,
+    extra_keys: Mapping[int, bytes] | None = None,
+    parent: bytes = ROOT_PARENT,
+) -> list[bytes]:
+    """Hashes of every full page of ``tokens``; the partial tail page has none.
+
+    ``extra_keys`` maps a page index to its encoded extra keys (``encode_extra_keys``).
+    The one-shot form of ``extend_chain``.
+    """
+    return extend_chain([], namespace, tokens, page_size, extra_keys, parent=parent)
 
 
 # --- multimodal items ------------------------------------------------------------------------
