@@ -37,7 +37,13 @@ from omniflow.kv.arena import HEADER_BYTES
 from omniflow.kv.blocks import KVLayout
 from omniflow.kv.events import BlockEntry, Tier
 from omniflow.kv.index_link import IndexLink
-from omniflow.kv.wire import check_hashes, parse_namespace, tier_from_proto, tier_to_proto
+from omniflow.kv.wire import (
+    check_hashes,
+    namespace_fields,
+    read_namespace,
+    tier_from_proto,
+    tier_to_proto,
+)
 from omniflow.rpc.context import failed_call
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow_services.kv_agent import metrics
@@ -67,7 +73,7 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
     async def GetArena(
         self, request: kvagent_pb2.GetArenaRequest, context: grpc.aio.ServicerContext
     ) -> kvagent_pb2.GetArenaResponse:
-        pool, _ = await self.app.pool_for(request.namespace)
+        pool, _ = await self.app.pool_for(read_namespace(request))
         return kvagent_pb2.GetArenaResponse(
             shm_name=pool.shm_name,
             slot_bytes=pool.page_bytes,
@@ -83,7 +89,7 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
     async def LocatePages(
         self, request: kvagent_pb2.LocatePagesRequest, context: grpc.aio.ServicerContext
     ) -> kvagent_pb2.LocatePagesResponse:
-        pool, ns = await self.app.pool_for(request.namespace)
+        pool, ns = await self.app.pool_for(read_namespace(request))
         hashes = check_hashes(request.block_hashes, MAX_HASHES)
         handles = await self.app.offload(pool, lambda: pool.store.acquire_chain(ns, hashes))
         if not handles:
@@ -111,7 +117,7 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
     async def CommitPages(
         self, request: kvagent_pb2.CommitPagesRequest, context: grpc.aio.ServicerContext
     ) -> kvagent_pb2.CommitPagesResponse:
-        pool, ns = await self.app.pool_for(request.namespace)
+        pool, ns = await self.app.pool_for(read_namespace(request))
         pools, store = self.app.pools, pool.store
         reply = kvagent_pb2.CommitPagesResponse(shm_name=pool.shm_name)
         for slot in request.abort_slots:
@@ -166,11 +172,13 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
         try:
             async for chunk in request_iterator:
                 if receiver is None:
-                    pool, ns = await self.app.pool_for(chunk.namespace)
+                    pool, ns = await self.app.pool_for(read_namespace(chunk))
                     receiver = PageReceiver(
                         pool, ns, self.app.settings.max_chunk_bytes, self.app.counters
                     )
-                elif chunk.namespace and chunk.namespace != receiver.namespace.hex():
+                elif (chunk.namespace_id or chunk.namespace) and read_namespace(
+                    chunk
+                ) != receiver.namespace:
                     raise InvalidArgument("one PutPages stream carries pages of one namespace")
                 receiver.feed(chunk)
         finally:
@@ -185,7 +193,8 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
     async def GetPages(
         self, request: kvagent_pb2.GetPagesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvagent_pb2.PageChunk]:
-        pool, ns = await self.app.pool_for(request.namespace)
+        pool, ns = await self.app.pool_for(read_namespace(request))
+        first = namespace_fields(ns)  # on each page's first chunk
         hashes = check_hashes(request.block_hashes, MAX_HASHES)
         chunk = request.chunk_bytes or self.app.settings.chunk_bytes
         chunk = min(chunk, self.app.settings.max_chunk_bytes)
@@ -200,7 +209,7 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
                     for off in range(0, pb, chunk):
                         end = min(off + chunk, pb)
                         yield kvagent_pb2.PageChunk(
-                            namespace=request.namespace if off == 0 else "",
+                            **(first if off == 0 else {}),
                             block_hash=handle.block_hash,
                             offset=off,
                             data=view[off:end].tobytes(),
@@ -219,7 +228,7 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
     async def PullPages(
         self, request: kvagent_pb2.PullPagesRequest, context: grpc.aio.ServicerContext
     ) -> kvagent_pb2.PullPagesResponse:
-        pool, ns = await self.app.pool_for(request.namespace)
+        pool, ns = await self.app.pool_for(read_namespace(request))
         hashes = check_hashes(request.block_hashes, MAX_HASHES)
         if not request.source_address:
             raise InvalidArgument("source_address (the agent holding the pages) is required")
@@ -235,7 +244,7 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
     async def FetchPages(
         self, request: kvagent_pb2.FetchPagesRequest, context: grpc.aio.ServicerContext
     ) -> kvagent_pb2.FetchPagesResponse:
-        pool, ns = await self.app.pool_for(request.namespace)
+        pool, ns = await self.app.pool_for(read_namespace(request))
         hashes = check_hashes(request.block_hashes, MAX_HASHES)
         handles = await self.app.offload(pool, lambda: pool.store.acquire_chain(ns, hashes))
         for handle in handles:
@@ -248,8 +257,8 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
         tier = tier_from_proto(request.tier) if request.tier else None
         if tier == Tier.DEVICE:
             raise InvalidArgument("an agent has no device tier; use TIER_HOST or TIER_SSD")
-        if request.block_hashes or request.namespace:
-            pools = [(await self.app.pool_for(request.namespace))]
+        if request.block_hashes or request.namespace_id or request.namespace:
+            pools = [(await self.app.pool_for(read_namespace(request)))]
         else:
             pools = [(p, b"") for p in self.app.pools.all()]
         hashes = check_hashes(request.block_hashes, MAX_HASHES)
@@ -552,9 +561,8 @@ class KVAgentApp(ServiceApp):
         except NotFound:
             raise NotFound(f"namespace {namespace.hex()} is not registered at the index") from None
 
-    async def pool_for(self, namespace_hex: str) -> tuple[PagePool, bytes]:
+    async def pool_for(self, ns: bytes) -> tuple[PagePool, bytes]:
         """The pool of a namespace (its page size comes from the index)."""
-        ns = parse_namespace(namespace_hex)
         if ns not in self._namespaces and len(self._namespaces) >= self.settings.max_namespaces:
             raise ResourceExhausted(
                 f"this agent serves {len(self._namespaces)} KV namespaces, the limit: raise "

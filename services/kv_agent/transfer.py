@@ -27,6 +27,7 @@ from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
 from omniflow.errors import DataLoss, FailedPrecondition, InvalidArgument
 from omniflow.kv.arena import HEADER_BYTES
 from omniflow.kv.pages import ChunkOrder
+from omniflow.kv.wire import namespace_fields
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.context import failed_call
 from omniflow.rpc.interceptors import TracedChannel
@@ -233,7 +234,7 @@ class Puller:
     ) -> tuple[int, int, int]:
         receiver = PageReceiver(pool, namespace, self.max_chunk_bytes, self.counters, hashes)
         request = kvagent_pb2.GetPagesRequest(
-            namespace=namespace.hex(), block_hashes=hashes, chunk_bytes=self.chunk_bytes
+            **namespace_fields(namespace), block_hashes=hashes, chunk_bytes=self.chunk_bytes
         )
         call = self.stub(address).GetPages(request)
         try:
@@ -251,14 +252,12 @@ class Puller:
     ) -> tuple[int, int, int]:
         assert self.nixl is not None
         stub = self.stub(address)
-        ns = namespace.hex()
-        arena = await self._remote(
-            address, stub.GetArena(kvagent_pb2.GetArenaRequest(namespace=ns))
-        )
+        ns = namespace_fields(namespace)
+        arena = await self._remote(address, stub.GetArena(kvagent_pb2.GetArenaRequest(**ns)))
         if arena.page_bytes != pool.page_bytes:
             raise DataLoss(
-                f"source agent {address} has {arena.page_bytes}-byte pages for namespace {ns}, "
-                f"this agent {pool.page_bytes}"
+                f"source agent {address} has {arena.page_bytes}-byte pages for namespace "
+                f"{namespace.hex()}, this agent {pool.page_bytes}"
             )
         # Metadata after GetArena, so that it covers the arena registered for this namespace.
         transport = await self._remote(
@@ -269,7 +268,7 @@ class Puller:
             address,
             stub.LocatePages(
                 kvagent_pb2.LocatePagesRequest(
-                    namespace=ns, block_hashes=hashes, pin_ttl_ms=int(self.timeout_s * 1000) + 5000
+                    **ns, block_hashes=hashes, pin_ttl_ms=int(self.timeout_s * 1000) + 5000
                 )
             ),
         )

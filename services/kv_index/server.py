@@ -26,7 +26,8 @@ from omniflow.kv.wire import (
     check_hashes,
     layout_from_proto,
     layout_to_proto,
-    parse_namespace,
+    namespace_fields,
+    read_namespace,
     tier_from_proto,
     tier_to_proto,
 )
@@ -72,7 +73,7 @@ def events_from_proto(msgs: list[kvindex_pb2.BlockEvent]) -> list[BlockEvent]:
             raise InvalidArgument(
                 f"event {i}: type must be TYPE_STORED, TYPE_REMOVED or TYPE_CLEARED, got {msg.type}"
             )
-        ns = parse_namespace(msg.namespace)
+        ns = read_namespace(msg)
         tier = tier_from_proto(msg.tier, f"event {i} tier")
         for h in check_hashes(msg.block_hashes):
             out.append(BlockEvent(kind, ns, h, tier))
@@ -112,13 +113,13 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
                 ) from None
         ns = await self.core.register_namespace(layout)
         return kvindex_pb2.RegisterNamespaceResponse(
-            namespace=ns.hex(), page_bytes=layout.page_bytes
+            **namespace_fields(ns), page_bytes=layout.page_bytes
         )
 
     async def GetNamespace(
         self, request: kvindex_pb2.GetNamespaceRequest, context: grpc.aio.ServicerContext
     ) -> kvindex_pb2.GetNamespaceResponse:
-        layout = await self.core.layout(parse_namespace(request.namespace))
+        layout = await self.core.layout(read_namespace(request))
         return kvindex_pb2.GetNamespaceResponse(
             layout=layout_to_proto(layout), page_bytes=layout.page_bytes
         )
@@ -200,7 +201,7 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
                 require_owner(header.owner_id)
             if not chunk.block_hashes:
                 continue
-            ns = parse_namespace(chunk.namespace)
+            ns = read_namespace(chunk)
             tier = tier_from_proto(chunk.tier, "snapshot chunk tier")
             entries.extend(BlockEntry(ns, h, tier) for h in check_hashes(chunk.block_hashes))
             limit = self.app.settings.max_snapshot_blocks
@@ -219,7 +220,7 @@ class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
     async def MatchPrefix(
         self, request: kvindex_pb2.MatchPrefixRequest, context: grpc.aio.ServicerContext
     ) -> kvindex_pb2.MatchPrefixResponse:
-        ns = parse_namespace(request.namespace)
+        ns = read_namespace(request)
         _bounded_hashes(len(request.block_hashes), self.core.max_hashes, "MatchPrefix")
         hashes = check_hashes(request.block_hashes)
         with metrics.MATCH_SECONDS.time():

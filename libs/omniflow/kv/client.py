@@ -50,7 +50,7 @@ from omniflow.kv.sources import (
     SourceKind,
     TransportStats,
 )
-from omniflow.kv.wire import layout_to_proto
+from omniflow.kv.wire import layout_to_proto, namespace_fields
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.context import failed_call
 from omniflow.rpc.interceptors import TracedChannel
@@ -152,9 +152,8 @@ class KVClient:
         ns = self.use_layout(layout)
         if self._index is None:
             # Without an index the agent can only serve a namespace someone registered.
-            await self._call(
-                "kv agent", self._agent.GetArena(kvagent_pb2.GetArenaRequest(namespace=ns.hex()))
-            )
+            arena = kvagent_pb2.GetArenaRequest(**namespace_fields(ns))
+            await self._call("kv agent", self._agent.GetArena(arena))
             return ns
         reply = await self._call(
             "kv index",
@@ -194,7 +193,7 @@ class KVClient:
         reply = await self._call(
             "kv index",
             self._index.MatchPrefix(
-                kvindex_pb2.MatchPrefixRequest(namespace=namespace.hex(), block_hashes=hashes)
+                kvindex_pb2.MatchPrefixRequest(**namespace_fields(namespace), block_hashes=hashes)
             ),
         )
         agent_id = await self._agent_id()
@@ -331,7 +330,7 @@ class KVClient:
             f"pull from {source.address}",
             self._agent.PullPages(
                 kvagent_pb2.PullPagesRequest(
-                    namespace=namespace.hex(),
+                    **namespace_fields(namespace),
                     block_hashes=hashes,
                     source_address=source.address,
                     source_owner=source.owner_id,
@@ -350,7 +349,7 @@ class KVClient:
         return await self._call(
             "kv agent",
             self._agent.LocatePages(
-                kvagent_pb2.LocatePagesRequest(namespace=namespace.hex(), block_hashes=hashes)
+                kvagent_pb2.LocatePagesRequest(**namespace_fields(namespace), block_hashes=hashes)
             ),
         )
 
@@ -386,7 +385,7 @@ class KVClient:
         if pb is None:
             arena = await self._call(
                 "kv agent",
-                self._agent.GetArena(kvagent_pb2.GetArenaRequest(namespace=namespace.hex())),
+                self._agent.GetArena(kvagent_pb2.GetArenaRequest(**namespace_fields(namespace))),
             )
             pb = self._page_bytes[namespace] = arena.page_bytes
         return pb
@@ -395,7 +394,7 @@ class KVClient:
         asm = PageAssembler(hashes, await self._page_bytes_of(namespace))
         call = self._agent.GetPages(
             kvagent_pb2.GetPagesRequest(
-                namespace=namespace.hex(), block_hashes=hashes, chunk_bytes=self.chunk_bytes
+                **namespace_fields(namespace), block_hashes=hashes, chunk_bytes=self.chunk_bytes
             )
         )
         with failed_call("kv agent GetPages", self._count_error):
@@ -485,7 +484,7 @@ class KVClient:
             except NoArena as exc:  # not on the agent's node: stream from now on
                 log.info("%s; streaming pages", exc)
                 self.zero_copy = False
-        stream = page_chunks(namespace.hex(), hashes, pages, self.chunk_bytes)
+        stream = page_chunks(namespace, hashes, pages, self.chunk_bytes)
         reply = await self._call("kv agent PutPages", self._agent.PutPages(stream))
         if reply.rejected:
             self.stats.checksum_failures += reply.rejected
@@ -500,12 +499,10 @@ class KVClient:
         self, namespace: bytes, hashes: list[bytes], pages: Sequence[PageData]
     ) -> tuple[int, int]:
         """(pages the agent held already, pages committed now): reserve, write, commit."""
-        ns = namespace.hex()
+        ns = namespace_fields(namespace)
         reply = await self._call(
             "kv agent reserve",
-            self._agent.CommitPages(
-                kvagent_pb2.CommitPagesRequest(namespace=ns, reserve_hashes=hashes)
-            ),
+            self._agent.CommitPages(kvagent_pb2.CommitPagesRequest(**ns, reserve_hashes=hashes)),
         )
         already = len(reply.already_held)
         if not reply.reservations:
@@ -533,14 +530,14 @@ class KVClient:
                     "kv agent abort",
                     self._agent.CommitPages(
                         kvagent_pb2.CommitPagesRequest(
-                            namespace=ns, abort_slots=[r.slot for r in reply.reservations]
+                            **ns, abort_slots=[r.slot for r in reply.reservations]
                         )
                     ),
                 )
             raise
         done = await self._call(
             "kv agent commit",
-            self._agent.CommitPages(kvagent_pb2.CommitPagesRequest(namespace=ns, slots=refs)),
+            self._agent.CommitPages(kvagent_pb2.CommitPagesRequest(**ns, slots=refs)),
         )
         if done.checksum_failures:
             self.stats.checksum_failures += done.checksum_failures

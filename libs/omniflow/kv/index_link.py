@@ -25,7 +25,7 @@ from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 from omniflow.errors import Unavailable
 from omniflow.kv.blocks import KVLayout
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind
-from omniflow.kv.wire import layout_from_proto, tier_to_proto
+from omniflow.kv.wire import layout_from_proto, namespace_fields, tier_to_proto
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 
@@ -55,7 +55,7 @@ def events_to_proto(events: list[BlockEvent]) -> list[kvindex_pb2.BlockEvent]:
         out.append(
             kvindex_pb2.BlockEvent(
                 type=_TYPE[kind],
-                namespace=ns.hex(),
+                **namespace_fields(ns),
                 tier=tier_to_proto(tier),
                 block_hashes=[e.block_hash for e in run],
             )
@@ -73,7 +73,7 @@ def snapshot_chunks(
         hashes = [e.block_hash for e in run]
         for i in range(0, len(hashes), _SNAPSHOT_CHUNK):
             yield kvindex_pb2.SnapshotChunk(
-                namespace=ns.hex(),
+                **namespace_fields(ns),
                 tier=tier_to_proto(tier),
                 block_hashes=hashes[i : i + _SNAPSHOT_CHUNK],
             )
@@ -153,7 +153,8 @@ class IndexLink:
         if lay is not None:
             return lay
         stub = await self._index_stub()
-        reply = await stub.GetNamespace(kvindex_pb2.GetNamespaceRequest(namespace=namespace.hex()))
+        ask = kvindex_pb2.GetNamespaceRequest(**namespace_fields(namespace))
+        reply = await stub.GetNamespace(ask)
         lay = self._layouts[namespace] = layout_from_proto(reply.layout)
         return lay
 

@@ -17,6 +17,7 @@ from omniflow.api.kvagent.v1 import kvagent_pb2
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import check_hash
 from omniflow.kv.checksum import page_checksum
+from omniflow.kv.wire import namespace_fields
 
 PageData = bytes | bytearray | memoryview | np.ndarray
 
@@ -29,19 +30,20 @@ def as_bytes(page: PageData) -> memoryview:
 
 
 def page_chunks(
-    namespace_hex: str, hashes: Sequence[bytes], pages: Sequence[PageData], chunk_bytes: int
+    namespace: bytes, hashes: Sequence[bytes], pages: Sequence[PageData], chunk_bytes: int
 ) -> Iterator[kvagent_pb2.PageChunk]:
     """The chunk stream of ``pages``: each page cut in chunks of ``chunk_bytes``, its
-    checksum and the namespace on its first chunk."""
+    checksum and the namespace (bytes, and its deprecated hex) on its first chunk."""
     if chunk_bytes <= 0:
         raise InvalidArgument(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    first = namespace_fields(namespace)
     for h, page in zip(hashes, pages, strict=True):
         buf = as_bytes(page)
         size = len(buf)
         for off in range(0, max(size, 1), chunk_bytes):
             end = min(off + chunk_bytes, size)
             yield kvagent_pb2.PageChunk(
-                namespace=namespace_hex if off == 0 else "",
+                **(first if off == 0 else {}),
                 block_hash=h,
                 offset=off,
                 data=bytes(buf[off:end]),
