@@ -35,11 +35,11 @@ import grpc
 
 from omniflow import telemetry
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
-from omniflow.cli.certs import make_bundle
 from omniflow.config import SecuritySettings, load_settings
 from omniflow.localredis import start_redis
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.server import ServiceHost
+from omniflow.security.bundle import make_bundle
 from omniflow.security.identity import Identity
 from omniflow.security.transport import Security
 from omniflow_services.worker.config import WorkerSettings

@@ -563,7 +563,7 @@ def test_healthcheck_follows_grpc_health(
 def test_healthcheck_speaks_mutual_tls(tmp_path: Path) -> None:
     """The image's probe under the default compose file: mutual TLS with the service's own
     certificate (a server that requires client certificates, as every service does)."""
-    from omniflow.cli.certs import make_bundle
+    from omniflow.security.bundle import make_bundle
 
     server_id = Identity("router", "control", "router")
     bundle = make_bundle(tmp_path, [server_id])

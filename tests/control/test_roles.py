@@ -22,7 +22,7 @@ def test_every_dsl_operation_is_one_a_role_serves() -> None:
 
 
 def test_a_topology_accepts_exactly_the_table_roles() -> None:
-    from omniflow.cli.topology import parse_topology
+    from omniflow.deploy.topology import parse_topology
 
     for role in ROLES:
         parse_topology(f"workers:\n  - {{role: {role}, count: 1}}\n")

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import yaml
 
-from omniflow.cli.certs import make_bundle
 from omniflow.cli.main import service_settings
-from omniflow.cli.topology import load_topology, parse_topology
 from omniflow.config import CommonSettings, SecuritySettings
 from omniflow.deploy.k8s import K8sOptions, render, to_yaml
+from omniflow.deploy.topology import load_topology, parse_topology
 from omniflow.errors import InvalidArgument
+from omniflow.security.bundle import make_bundle
 
 kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (dev extra)")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from omniflow.cli.certs import make_bundle
+from omniflow.security.bundle import make_bundle
 from omniflow.security.identity import Identity
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]

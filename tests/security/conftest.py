@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from procs import ServiceProc, start_service, stop_all
 
-from omniflow.cli.certs import Bundle, make_bundle
 from omniflow.config import SecuritySettings
 from omniflow.localredis import RedisProcess, start_redis
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
+from omniflow.security.bundle import Bundle, make_bundle
 from omniflow.security.identity import Identity
 from omniflow.security.transport import Security
 

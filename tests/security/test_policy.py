@@ -14,11 +14,11 @@ from omniflow.api.kvagent.v1 import kvagent_pb2
 from omniflow.api.kvindex.v1 import kvindex_pb2
 from omniflow.api.router.v1 import router_pb2
 from omniflow.api.worker.v1 import worker_pb2
-from omniflow.cli.certs import make_bundle, parse_grant
 from omniflow.cli.main import main as cli_main
 from omniflow.config import SecuritySettings, SettingsError, load_settings
 from omniflow.errors import InvalidArgument, NotFound, PermissionDenied
 from omniflow.security import policy
+from omniflow.security.bundle import make_bundle, parse_grant
 from omniflow.security.identity import UNCHECKED, Identity, Principal, TokenTable
 from omniflow.security.transport import Security, identity_of_pem
 

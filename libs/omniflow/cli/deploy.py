@@ -30,8 +30,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 
 def run(args: argparse.Namespace) -> int:
-    from omniflow.cli.topology import load_topology
     from omniflow.deploy.k8s import K8sOptions, header, render, to_yaml
+    from omniflow.deploy.topology import load_topology
 
     topology = load_topology(args.topology)
     opts = K8sOptions(

@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from omniflow.cli.topology import Topology
+from omniflow.deploy.topology import Topology
 from omniflow.localredis import redact_url, start_redis
 from omniflow.rpc.client import check_health
 from omniflow.security import local as local_security

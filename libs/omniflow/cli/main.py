@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             return workflow_cli.dispatch(args)
         if args.command == "up":
             from omniflow.cli import local
-            from omniflow.cli.topology import load_topology
+            from omniflow.deploy.topology import load_topology
 
             topology = load_topology(args.topology)
             return asyncio.run(local.up(topology, args.timeout, insecure=args.insecure))

@@ -1,6 +1,6 @@
 """Kubernetes objects for one topology: what ``omniflow deploy k8s`` prints.
 
-The topology file is the one ``omniflow up`` reads (``omniflow.cli.topology``); one entry
+The topology file is the one ``omniflow up`` reads (``omniflow.deploy.topology``); one entry
 of ``workers`` becomes one Deployment of ``count`` replicas, ``routers``/``coordinators``
 the replicas of theirs. What a cluster adds:
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from omniflow.cli.topology import Topology, WorkerSpec
+from omniflow.deploy.topology import Topology, WorkerSpec
 from omniflow.errors import InvalidArgument
 
 Obj = dict[str, Any]

@@ -85,8 +85,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _run_pull(args: argparse.Namespace) -> int:
-    from omniflow.models.resolve import DEFAULT_MODELS_DIR
-    from omniflow.models.sources import pull
+    from omniflow.models.sources import DEFAULT_MODELS_DIR, pull
 
     models_dir = Path(args.models_dir) if args.models_dir else DEFAULT_MODELS_DIR
     for name in args.names:

@@ -12,11 +12,11 @@ import shutil
 from pathlib import Path
 
 from omniflow.errors import InvalidArgument
+from omniflow.models.sources import DEFAULT_MODELS_DIR, SOURCES, pull
 
 log = logging.getLogger(__name__)
 
 TINY_PREFIX = "tiny:"
-DEFAULT_MODELS_DIR = Path("~/.cache/omniflow/models")
 
 
 def resolve_model(spec: str, models_dir: Path = DEFAULT_MODELS_DIR) -> Path:
@@ -51,8 +51,6 @@ def resolve_model(spec: str, models_dir: Path = DEFAULT_MODELS_DIR) -> Path:
                 shutil.rmtree(target, ignore_errors=True)
                 tmp.rename(target)
         return target
-    from omniflow.models.sources import SOURCES, pull
-
     if spec in SOURCES:
         return pull(spec, models_dir, progress=lambda msg: log.info("%s", msg))
     path = Path(spec).expanduser()

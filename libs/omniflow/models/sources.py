@@ -34,6 +34,8 @@ from omniflow.errors import InvalidArgument
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+#: The model cache (the workers' OMNIFLOW_MODELS_DIR default); ``resolve`` uses it too.
+DEFAULT_MODELS_DIR = Path("~/.cache/omniflow/models")
 # The file inside each source's folder that proves the build finished.
 _DONE = ".omniflow-source"
 SMOLLM2_INSTRUCT = "smollm2-135m-instruct"
@@ -234,8 +236,6 @@ def pull(
     processes may pull at once; one builds under a file lock into a temporary folder that is
     renamed into place, the others wait and reuse it.
     """
-    from omniflow.models.resolve import DEFAULT_MODELS_DIR
-
     source = get_source(name)
     root = (models_dir or DEFAULT_MODELS_DIR).expanduser()
     target = root / name

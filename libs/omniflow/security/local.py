@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from omniflow.cli.certs import Bundle, make_bundle
 from omniflow.config import SecuritySettings
 from omniflow.errors import InvalidArgument
 from omniflow.security.apikeys import write_keys
+from omniflow.security.bundle import Bundle, make_bundle
 from omniflow.security.identity import Identity
 from omniflow.security.transport import configure
 
