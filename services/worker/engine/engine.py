@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from omniflow.errors import InvalidArgument
-from omniflow.kv.blocks import ROOT_PARENT, KVLayout, hash_page
+from omniflow.kv.blocks import KVLayout, extend_chain
 from omniflow_services.worker.engine.config import EngineConfig
 from omniflow_services.worker.engine.connector import BlockEventSink, KVConnector
 from omniflow_services.worker.engine.decode_kv import DecodeKV
@@ -254,18 +254,7 @@ class Engine:
     # ------------------------------------------------------------ prefix reuse
 
     def _extend_hashes(self, seq: SeqState) -> None:
-        ps = self.layout.page_size
-        while len(seq.hashes) < len(seq.tokens) // ps:
-            i = len(seq.hashes)
-            parent = seq.hashes[-1] if seq.hashes else ROOT_PARENT
-            seq.hashes.append(
-                hash_page(
-                    parent,
-                    self._namespace,
-                    seq.tokens[i * ps : (i + 1) * ps],
-                    seq.extra_keys.get(i, b""),
-                )
-            )
+        extend_chain(seq.hashes, self._namespace, seq.tokens, self.layout.page_size, seq.extra_keys)
 
     def _prefix_limit(self, seq: SeqState) -> int:
         self._extend_hashes(seq)
