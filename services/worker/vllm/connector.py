@@ -42,7 +42,6 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocking import AgentPageStore
-from omniflow.kv.blocks import ROOT_PARENT, hash_page
+from omniflow.kv.blocks import extend_chain
 from omniflow.logsetup import setup_logging
 from omniflow_services.worker.vllm.connector_config import (
     CLASS_NAME,
@@ -167,16 +166,6 @@ class _Tracked:
     saved: int = 0  # leading pages already in the agent (stored, loaded or cached before)
 
 
-def extend_chain(
-    chain: list[bytes], namespace: bytes, tokens: Sequence[int], pages: int, size: int
-):
-    """Extend ``chain`` (block hashes of the first pages of ``tokens``) to ``pages`` pages."""
-    parent = chain[-1] if chain else ROOT_PARENT
-    for i in range(len(chain), pages):
-        parent = hash_page(parent, namespace, tokens[i * size : (i + 1) * size])
-        chain.append(parent)
-
-
 class OmniflowConnector(KVConnectorBase_V1):
     """Stores full pages to the node's kv-agent and loads missing prefixes from it."""
 
@@ -260,7 +249,8 @@ class OmniflowConnector(KVConnectorBase_V1):
     def _chain(self, request: Request, pages: int) -> list[bytes]:
         t = self._tracked.get(request.request_id)
         chain = t.chain if t is not None else []
-        extend_chain(chain, self.layout.namespace, request.all_token_ids, pages, self.page_size)
+        ns, size = self.layout.namespace, self.page_size
+        extend_chain(chain, ns, request.all_token_ids, size, pages=pages)
         return chain[:pages]
 
     def get_num_new_matched_tokens(

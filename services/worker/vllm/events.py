@@ -23,7 +23,7 @@ from typing import Any
 
 from omniflow.api.kvindex.v1 import kvindex_pb2
 from omniflow.errors import Unavailable
-from omniflow.kv.blocks import ROOT_PARENT, KVLayout, hash_page
+from omniflow.kv.blocks import ROOT_PARENT, KVLayout, extend_chain
 from omniflow.kv.events import BlockEntry, Tier
 from omniflow.kv.index_link import IndexLink
 from omniflow.rpc.server import Runtime
@@ -62,20 +62,20 @@ class BlockNames:
         returns the new page hashes. A block whose parent we never saw is skipped: its
         chain cannot be named (it was cached before we subscribed)."""
         if parent is None:
-            chain = ROOT_PARENT
+            last = ROOT_PARENT
         elif self.pages.get(parent):
-            chain = self.pages[parent][-1]
+            last = self.pages[parent][-1]
         else:
             return []
         page, ns = self.layout.page_size, self.layout.namespace
-        if size % page:
+        if size <= 0 or size % page:
             return []
         out: list[bytes] = []
         for i, vh in enumerate(blocks):
-            mine = []
-            for start in range(i * size, (i + 1) * size, page):
-                chain = hash_page(chain, ns, tokens[start : start + page])
-                mine.append(chain)
+            mine = extend_chain([], ns, tokens[i * size : (i + 1) * size], page, parent=last)
+            if len(mine) < size // page:
+                break  # fewer tokens than the event's blocks claim: name no partial page
+            last = mine[-1]
             self.pages[vh] = mine
             out.extend(mine)
         return out
