@@ -31,6 +31,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from omniflow.config import local_settings
 from omniflow.deploy.topology import Topology
 from omniflow.localredis import redact_url, start_redis
 from omniflow.rpc.client import check_health
@@ -57,7 +58,7 @@ class Proc:
 
 
 def run_dir() -> Path:
-    return Path(os.environ.get("OMNIFLOW_RUN_DIR", ".omniflow/run")).resolve()
+    return local_settings().run_dir.resolve()
 
 
 def run_tag(folder: Path) -> str:
@@ -65,6 +66,23 @@ def run_tag(folder: Path) -> str:
     st = folder.stat()
     ident = f"{folder.resolve()}:{st.st_dev}:{st.st_ino}".encode()
     return hashlib.blake2b(ident, digest_size=5).hexdigest()
+
+
+# Below this much free space in the run folder's file system the disk counts as full: the
+# supervisor starts nothing (a process could not write its log or ready file) and
+# ``status`` says so.
+MIN_FREE_BYTES = 1 << 20
+
+
+def disk_full(folder: Path) -> int | None:
+    """The free bytes of ``folder``'s file system when it is full (below MIN_FREE_BYTES),
+    else None."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    return free if free < MIN_FREE_BYTES else None
 
 
 def _alive(proc: Proc) -> bool:
@@ -272,7 +290,7 @@ async def _up(topology: Topology, start_timeout_s: float, insecure: bool) -> int
         "OMNIFLOW_KV_SHM_TAG": run_tag(folder),
     }
     try:
-        redis_url = os.environ.get("OMNIFLOW_REDIS_URL", "")
+        redis_url = local_settings().redis_url
         if not redis_url:
             # Persistent (AOF, fsync every second) and with a password of this run folder.
             redis = start_redis(
@@ -313,7 +331,7 @@ async def _up(topology: Topology, start_timeout_s: float, insecure: bool) -> int
         (folder / STATE).unlink(missing_ok=True)
         return 1
     supervisor = 0
-    if os.environ.get("OMNIFLOW_SUPERVISE", "1") != "0":
+    if local_settings().supervise:
         supervisor = _start_supervisor(folder)
     _save_state(folder, procs, env, supervisor)
     print()
@@ -390,7 +408,13 @@ async def status() -> int:
     sup = _supervisor(run_dir())
     if sup is not None:
         print(f"supervisor pid {sup.pid}: {'RUNNING' if _alive(sup) else 'EXITED'}")
-    return 0 if all(s in ("SERVING", "RUNNING") for s in statuses) else 1
+    free = disk_full(run_dir())
+    if free is not None:
+        print(
+            f"disk full: {free} bytes free for {run_dir()} (under {MIN_FREE_BYTES}); the "
+            "supervisor restarts nothing until there is space, state.json may be stale"
+        )
+    return 0 if free is None and all(s in ("SERVING", "RUNNING") for s in statuses) else 1
 
 
 def down() -> int:

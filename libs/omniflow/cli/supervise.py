@@ -17,6 +17,11 @@ processes is authoritative once read: when ``state.json`` cannot be written (a f
 it goes on from memory, says so in its log (once a minute), and writes the file once it
 can — a restarted process is started once and counted once, never respawned on every
 pass. A restart that cannot start (no space for its files) waits its backoff like a crash.
+While the run folder's disk is full (``local.disk_full``) nothing is restarted at all (a
+process could not write its log or ready file): the supervisor keeps running, says so
+(its log, once a minute; ``omniflow status``) and restarts what is down once there is
+space. Stopped while ``state.json`` is stale, it stops the processes the file does not
+name itself, so that ``down`` leaves none behind.
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ class Supervisor:
         self._state: tuple[list[local.Proc], dict[str, str]] | None = None
         self._unsaved = False  # the last write of state.json failed: retried every pass
         self._reported = -REPORT_EVERY_S  # when an unwritable state file was last logged
+        self._full_since: float | None = None  # when restarts began waiting for disk space
+        self._reported_full = -REPORT_EVERY_S
 
     def _load(self) -> tuple[list[local.Proc], dict[str, str]]:
         # Read once: from then on this supervisor's record is the truth (it alone changes
@@ -136,6 +143,19 @@ class Supervisor:
                 continue
             if now - watch.started < 5.0 and proc.address:
                 watch.port_failures += 1  # died during its start: perhaps its port is taken
+            free = local.disk_full(self.folder)
+            if free is not None:  # it could not write its log or ready file: wait for space
+                self._full_since = now if self._full_since is None else self._full_since
+                if now - self._reported_full >= REPORT_EVERY_S:
+                    self._reported_full = now
+                    log.error(
+                        "disk full: %d bytes free for %s; %s and any other restart wait "
+                        "until there is space", free, self.folder, proc.name,
+                    )  # fmt: skip
+                continue
+            if self._full_since is not None:
+                log.warning("disk space again after %.0f s: restarting", now - self._full_since)
+                self._full_since, self._reported_full = None, -REPORT_EVERY_S
             watch.backoff_s = min(watch.backoff_s * 2, MAX_BACKOFF_S)
             try:
                 self._restart(proc, env)
@@ -198,7 +218,26 @@ class Supervisor:
                 log.exception("supervision pass failed")
             time.sleep(POLL_S)
         log.info("supervisor stopping")
+        self._stop_unrecorded()
         return 0
+
+    def _stop_unrecorded(self, grace_s: float = 5.0) -> None:
+        """``down`` stops the PIDs in ``state.json``: when the file could not be written,
+        the processes restarted since are known here alone, so they are stopped here."""
+        if self._state is None or not self._unsaved:
+            return
+        procs, env = self._state
+        self._save(procs, env)  # one last try
+        if not self._unsaved:
+            return
+        try:
+            recorded = {p.pid for p in local._load_state(self.folder)[0]}
+        except (OSError, ValueError):
+            recorded = set()
+        stray = [p for p in procs if p.pid not in recorded and local._alive(p)]
+        for p in stray:
+            log.warning("stopping %s (pid %s) myself: state.json does not name it", p.name, p.pid)
+        local.stop_all(stray, grace_s)
 
     def _stop(self, signum: int, frame: object) -> None:
         self.stopping = True
