@@ -33,13 +33,13 @@ def _rss_kib() -> dict[str, int]:
 
 async def _child(kind: str, head: str, backbone: str) -> None:
     from omniflow_services.worker.engine import EngineConfig, SamplingParams
-    from omniflow_services.worker.llm import LLMRole
+    from omniflow_services.worker.engine.role import EngineRole
     from omniflow_services.worker.mm.image_role import ImageRequest
     from omniflow_services.worker.mm.loading import load_roles
 
     config = EngineConfig(kv_cache_bytes=16 * 1024 * 1024)
     if kind == "llm":
-        llm = await LLMRole.load(Path(backbone), config)
+        llm = await EngineRole.load(Path(backbone), config)
         await llm.warm_up()
         image = None
     else:  # diffusion: its engine over the backbone also serves Generate

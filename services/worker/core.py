@@ -10,16 +10,14 @@ from omniflow.models.resolve import resolve_model
 from omniflow.workers import ROLE_OPERATIONS
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.embed.role import EmbedRole
-from omniflow_services.worker.engine import Engine, EngineConfig, EngineLoad
+from omniflow_services.worker.engine import EngineConfig
+from omniflow_services.worker.engine.role import EngineRole
 from omniflow_services.worker.engine.threads import apply_thread_budget, thread_budget
-from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.llm.role import LLMRole
+from omniflow_services.worker.llm.types import EngineLoad
 from omniflow_services.worker.mm.loading import LoadedRoles, load_roles
 
 log = logging.getLogger(__name__)
-
-# Sampling features the built-in engine serves, advertised next to the operations so that a
-# caller (the gateway) can refuse a field rather than have it ignored by another engine.
-ENGINE_FEATURES = ("logprobs", "penalties")
 
 
 class WorkerCore:
@@ -44,8 +42,8 @@ class WorkerCore:
         ops = ROLE_OPERATIONS.get(self.role, ()) if self.model else ()
         if self.mm is not None and self.mm.encoder is not None:
             ops += self.mm.encoder.operations  # transcribe, with a Whisper model
-        if self.llm is not None and isinstance(self.llm.engine, Engine):
-            ops += ENGINE_FEATURES
+        if self.llm is not None:  # sampling features beyond the common ones
+            ops += self.llm.features
         return ops
 
     async def load(self, spec: str, dtype: str | None = None) -> None:
@@ -92,7 +90,7 @@ class WorkerCore:
 
             llm = await load_vllm_role(folder, s, dtype)
         else:
-            llm = await LLMRole.load(folder, config)
+            llm = await EngineRole.load(folder, config)
         await llm.warm_up()
         self.llm, self.model = llm, str(folder)
         log.info("loaded %s (KV namespace %s)", folder, llm.kv_namespace)

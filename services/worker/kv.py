@@ -18,16 +18,16 @@ import contextlib
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from omniflow.api.kvindex.v1 import kvindex_pb2
 from omniflow.discovery import find_address
 from omniflow.errors import Unavailable
 from omniflow.kv.blocks import KVLayout
-from omniflow.kv.connector import AgentConnector
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind, Tier
 from omniflow.kv.index_link import IndexLink
 from omniflow.rpc.server import Runtime
-from omniflow_services.worker.engine import Engine
+from omniflow_services.worker.llm.connector import AgentConnector
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,11 @@ class WorkerKV:
     async def _find_index(self) -> str:
         return self.index_address or await self._find("kv-index", same_node=False)
 
-    def attach(self, engine: Engine) -> None:
+    def attach(self, engine: Any) -> None:
         """Start attaching ``engine`` in the background (the worker serves meanwhile)."""
         self._task = asyncio.create_task(self._attach(engine), name="worker-kv-attach")
 
-    async def _attach(self, engine: Engine) -> None:
+    async def _attach(self, engine: Any) -> None:
         while True:
             try:
                 agent = self.agent_address or await self._find("kv-agent", same_node=True)

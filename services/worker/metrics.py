@@ -17,7 +17,7 @@ from prometheus_client import Counter, Histogram
 
 from omniflow import telemetry
 from omniflow.telemetry import Sample
-from omniflow_services.worker.engine.types import EngineStats, RequestOutput
+from omniflow_services.worker.llm.types import EngineStats, RequestOutput
 
 if TYPE_CHECKING:
     from omniflow_services.worker.core import WorkerCore

@@ -17,14 +17,14 @@ from omniflow.kv.wire import layout_to_proto
 from omniflow.prompt_size import check_prompt_size, ids_bytes, text_bytes
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import unimplemented
+from omniflow.sampling import SamplingParams
 from omniflow.workers import WORKER_SERVICE, worker_metadata
 from omniflow_services.worker import metrics
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.embed.edge import EMBED_OPERATIONS, invoke_embed
-from omniflow_services.worker.engine import Engine, SamplingParams
 from omniflow_services.worker.kv import WorkerKV
-from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.llm.role import LLMRole
 from omniflow_services.worker.mm.audio_edge import AUDIO_OPERATIONS, invoke_audio
 from omniflow_services.worker.mm.edge import MultimodalEdge, has_media
 
@@ -260,7 +260,7 @@ class WorkerApp(ServiceApp):
         llm = self.core.llm
         if not self.settings.kv_connect or self.runtime is None or llm is None:
             return
-        if not isinstance(getattr(llm, "engine", None), Engine):
+        if not llm.kv_attach:
             # SGLang shares pages through its HiCache backend, vLLM through its connector;
             # a role that announces its device pages itself does so under our lease.
             attach = getattr(llm, "attach_index", None)

@@ -342,8 +342,7 @@ async def test_ssd_tier_demotion_promotion_and_index_tiers(kv_cluster, tmp_path)
 
 
 async def test_agent_connector_serves_the_engine_protocol(kv_cluster):
-    from omniflow.kv.connector import AgentConnector
-    from omniflow_services.worker.engine.connector import KVConnector
+    from omniflow_services.worker.llm.connector import AgentConnector, KVConnector
 
     a = await kv_cluster.start_agent("a")
     b = await kv_cluster.start_agent("b")

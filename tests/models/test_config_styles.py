@@ -11,7 +11,7 @@ import pytest
 import torch
 from smol_helpers import Smol, run_to_end
 
-from omniflow_services.worker.engine.config import ModelConfig
+from omniflow_services.worker.llm.model_folder import ModelConfig
 
 
 def _transformers5_folder(smol: Smol, out: Path, rope_scaling: dict | None) -> Path:

@@ -48,7 +48,7 @@ def agents(tmp_path: Path, redis_binary: Path) -> Iterator[Cluster]:
 async def test_diffusion_pulls_the_llm_prompt_pages_through_the_agents(
     agents: Cluster, tmp_path: Path
 ) -> None:
-    from omniflow.kv.connector import AgentConnector
+    from omniflow_services.worker.llm.connector import AgentConnector
 
     models = tmp_path / "models"
     backbone = resolve_model("tiny:qwen2", models)
@@ -112,8 +112,8 @@ async def test_second_turn_on_another_worker_reuses_the_image_pages(
     """Turn 1 on node a, turn 2 on node b: the pages through the image span are pulled, the
     image is not encoded again, and the logits equal a full recompute."""
     from omniflow.kv.blocks import MultimodalSpan, apply_multimodal, item_id, pad_id
-    from omniflow.kv.connector import AgentConnector
     from omniflow_services.worker.engine import EmbedSpan
+    from omniflow_services.worker.llm.connector import AgentConnector
 
     backbone = resolve_model("tiny:qwen2", tmp_path / "models")
     index = agents.addresses["kv-index"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from omniflow.errors import InvalidArgument
-from omniflow_services.worker.engine.config import EngineConfig, ModelConfig
+from omniflow_services.worker.engine.config import EngineConfig
+from omniflow_services.worker.llm.model_folder import ModelConfig
 
 BASE = {
     "model_type": "qwen2",

@@ -13,8 +13,8 @@ from engine_helpers import Result, TinyModel, greedy, run_all
 
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 from omniflow.kv.blocks import block_hashes
-from omniflow.kv.connector import AgentConnector
 from omniflow.rpc.client import open_channel
+from omniflow_services.worker.llm.connector import AgentConnector
 
 PREFIX = 1000  # tokens: 62 full pages pulled from the other node
 

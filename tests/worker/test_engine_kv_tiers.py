@@ -12,8 +12,8 @@ from engine_helpers import TinyModel, greedy, run_all
 
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 from omniflow.kv.blocks import block_hashes
-from omniflow.kv.connector import AgentConnector
 from omniflow.rpc.client import open_channel
+from omniflow_services.worker.llm.connector import AgentConnector
 
 
 async def _announced(index_address: str, namespace: bytes, hashes: list[bytes]) -> int:

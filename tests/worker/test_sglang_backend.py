@@ -292,7 +292,7 @@ def test_engine_kwargs_plug_the_storage_backend_in() -> None:
 
 
 def test_expected_layout_matches_the_backends_namespace() -> None:
-    from omniflow_services.worker.engine.config import ModelConfig
+    from omniflow_services.worker.llm.model_folder import ModelConfig
 
     cfg = ModelConfig.from_dict(
         {
@@ -336,7 +336,7 @@ def test_backend_config_needs_the_agent() -> None:
 def test_page_chunks_reassemble_and_a_bad_checksum_ends_the_run() -> None:
     hashes = [bytes([i]) * 16 for i in range(3)]
     pages = [bytes([i]) * 1000 for i in range(3)]
-    chunks = list(page_chunks(NS.hex(), hashes, pages, 300))
+    chunks = list(page_chunks(NS, hashes, pages, 300))
     assert len(chunks) == 12 and chunks[0].namespace == NS.hex() and not chunks[1].namespace
     asm = PageAssembler(hashes, 1000)
     for c in chunks:

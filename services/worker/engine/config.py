@@ -1,100 +1,15 @@
-"""Typed configuration: the model's ``config.json`` and the engine's own settings."""
+"""The built-in engine's own settings (the model's ``config.json`` is read by
+``omniflow_services.worker.llm.model_folder.ModelConfig``)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from omniflow.errors import InvalidArgument
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 MATMULS = ("auto", "onednn", "aten")
 KERNELS = ("auto", "native", "torch")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """The fields of a Hugging Face ``config.json`` that a Llama/Qwen2 decoder needs."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    tie_word_embeddings: bool
-    attention_bias: bool
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    # The checkpoint's stored dtype (informational: EngineConfig.dtype decides compute).
-    checkpoint_dtype: str | None = None
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        model_type = raw.get("model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise InvalidArgument(
-                f"model_type {model_type!r} is not supported; "
-                f"accepted: {list(SUPPORTED_MODEL_TYPES)}"
-            )
-        if model_type == "qwen2" and raw.get("use_sliding_window"):
-            raise InvalidArgument("qwen2 use_sliding_window=true is not supported; accepted: false")
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        # Newer transformers store rope settings under rope_parameters; older ones use
-        # rope_theta + rope_scaling. Read both.
-        rope_params = raw.get("rope_parameters") or {}
-        scaling = raw.get("rope_scaling") or None
-        if scaling is None and rope_params.get("rope_type", "default") != "default":
-            scaling = dict(rope_params)
-        if scaling is not None:
-            rtype = scaling.get("rope_type", scaling.get("type", "default"))
-            if rtype not in SUPPORTED_ROPE_TYPES:
-                raise InvalidArgument(
-                    f"rope type {rtype!r} is not supported; accepted: {list(SUPPORTED_ROPE_TYPES)}"
-                )
-            scaling = {**scaling, "rope_type": rtype}
-            if rtype == "default":
-                scaling = None
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
-            model_type=model_type,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-            eos_token_ids=eos_ids,
-            bos_token_id=raw.get("bos_token_id"),
-            # transformers 5 writes "dtype", hub downloads carry "torch_dtype".
-            checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-        )
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> ModelConfig:
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise InvalidArgument(f"no config.json in model folder {folder}")
-        return cls.from_dict(json.loads(path.read_text()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,6 @@ import torch
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import KVLayout, extend_chain
 from omniflow_services.worker.engine.config import EngineConfig
-from omniflow_services.worker.engine.connector import BlockEventSink, KVConnector
 from omniflow_services.worker.engine.decode_kv import DecodeKV
 from omniflow_services.worker.engine.detok import Detokenizer
 from omniflow_services.worker.engine.grammar import Grammars, apply_grammars, grammar_ended
@@ -34,7 +33,8 @@ from omniflow_services.worker.engine.prefix_cache import PrefixCache
 from omniflow_services.worker.engine.sampling import PenaltyState, SamplingParams, sample
 from omniflow_services.worker.engine.scheduler import ScheduledSeq, Scheduler, SeqState
 from omniflow_services.worker.engine.threads import ThreadTuner
-from omniflow_services.worker.engine.types import (
+from omniflow_services.worker.llm.connector import BlockEventSink, KVConnector
+from omniflow_services.worker.llm.types import (
     EmbedSpan,
     EngineLoad,
     EngineStats,

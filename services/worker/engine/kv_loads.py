@@ -15,7 +15,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from omniflow.kv.blocks import KVLayout
-from omniflow_services.worker.engine.connector import KVConnector
+from omniflow_services.worker.llm.connector import KVConnector
 
 log = logging.getLogger(__name__)
 

@@ -15,19 +15,16 @@ from typing import Any
 import torch
 
 from omniflow.errors import InvalidArgument
-from omniflow_services.worker.engine.config import ModelConfig
 from omniflow_services.worker.engine.kv_pool import TORCH_DTYPES
 from omniflow_services.worker.engine.model import DecoderModel, LayerWeights
+from omniflow_services.worker.llm.model_folder import (
+    GenerationDefaults,
+    ModelConfig,
+    folder_tokenizer,
+    load_generation_defaults,
+)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationDefaults:
-    """Defaults from ``generation_config.json`` (falling back to ``config.json``)."""
-
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -125,29 +122,6 @@ def load_weights(
     return DecoderModel(cfg, embed, layers, norm, lm_head, prepack=prepack, fused=kernels)
 
 
-def load_tokenizer(folder: Path) -> Any | None:
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        log.warning("no tokenizer.json in %s: text input/output disabled", folder)
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))
-
-
-def load_generation_defaults(cfg: ModelConfig, folder: Path) -> GenerationDefaults:
-    eos = cfg.eos_token_ids
-    bos = cfg.bos_token_id
-    path = folder / "generation_config.json"
-    if path.is_file():
-        raw = json.loads(path.read_text())
-        e = raw.get("eos_token_id")
-        if e is not None:
-            eos = tuple(e) if isinstance(e, list) else (int(e),)
-        bos = raw.get("bos_token_id", bos)
-    return GenerationDefaults(eos_token_ids=tuple(int(x) for x in eos), bos_token_id=bos)
-
-
 def load_model(
     folder: str | Path,
     dtype: str = "float32",
@@ -161,4 +135,4 @@ def load_model(
         raise InvalidArgument(f"model folder {folder} does not exist")
     cfg = ModelConfig.from_folder(path)
     model = load_weights(cfg, path, dtype, device, prepack, kernels)
-    return LoadedModel(cfg, model, load_tokenizer(path), load_generation_defaults(cfg, path))
+    return LoadedModel(cfg, model, folder_tokenizer(path), load_generation_defaults(cfg, path))

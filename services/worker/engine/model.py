@@ -23,11 +23,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from omniflow_services.worker.engine import kernels
-from omniflow_services.worker.engine.config import ModelConfig
+import omniflow_services.worker.engine.kernels as kernels
 from omniflow_services.worker.engine.decode_kv import DecodeKV, DecodePlan
 from omniflow_services.worker.engine.kv_pool import KVPool
 from omniflow_services.worker.engine.rope import Rotary, apply_rotary
+from omniflow_services.worker.llm.model_folder import ModelConfig
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from omniflow_services.worker.engine.config import ModelConfig
+from omniflow_services.worker.llm.model_folder import ModelConfig
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:

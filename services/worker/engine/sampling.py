@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from omniflow.sampling import SamplingParams
+from omniflow_services.worker.llm.types import TopLogprobs
 
 __all__ = ["PenaltyState", "SampleOutput", "SamplingParams", "TopLogprobs", "sample"]
 
@@ -47,14 +48,6 @@ class PenaltyState:
             self.seen[token] = True
         if self.counts is not None:
             self.counts[token] += 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class TopLogprobs:
-    """The most likely alternatives at one position, most likely first."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)

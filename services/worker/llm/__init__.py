@@ -1,5 +1,6 @@
-"""The llm role over the built-in engine (``role.LLMRole``)."""
+"""The llm-role interface every llm engine of the worker implements: the request and output
+types (``types``), the model folder's config and tokenizer (``model_folder``), the role the
+edge serves (``role.LLMRole``), what out-of-process engines share (``backends``) and the
+KV connector protocol with its implementations (``connector``).
 
-from omniflow_services.worker.llm.role import LLMRole
-
-__all__ = ["LLMRole"]
+It re-exports nothing: importing one of its modules loads no engine and no torch."""

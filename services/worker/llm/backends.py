@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from omniflow.errors import InvalidArgument
-from omniflow_services.worker.engine import SamplingParams
+from omniflow.sampling import SamplingParams
 from omniflow_services.worker.llm.role import LLMRole
 
 

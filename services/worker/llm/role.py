@@ -1,45 +1,45 @@
-"""The llm role: the built-in engine behind the worker API (no gRPC here).
+"""``LLMRole``: what the worker's edge serves an llm engine through (no gRPC here).
 
 Prompts become token ids through the model's own chat template and tokenizer
 (``omniflow.chat.Preprocessor``, the same implementation the gateway and the coordinator
 use), always on a thread, never on the event loop; the prompt's block hashes are reported
-with the result, and the engine's outputs are streamed.
+with the result, and the engine's outputs (``llm.types.RequestOutput``) are streamed.
+
+Each engine subclasses it: the built-in one (``engine.role.EngineRole``), vLLM and SGLang
+(``llm.backends.BackendRole``), the echo test engine (``echo.role.EchoRole``). Its
+``engine`` has ``layout`` (a ``KVLayout``), ``tokenizer`` (or None), ``load()`` (an
+``EngineLoad``) and ``abort(request_id)``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import logging
 import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
 from omniflow.chat import Preprocessor
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import block_hashes
+from omniflow.sampling import SamplingParams
 from omniflow.security.kvsalt import salted_extra_keys
 from omniflow.security.tenancy import scoped_id
-from omniflow_services.worker.engine import (
-    Engine,
-    EngineConfig,
-    GenerateRequest,
-    RequestOutput,
-    SamplingParams,
-)
-
-log = logging.getLogger(__name__)
+from omniflow_services.worker.llm.types import RequestOutput
 
 
 class LLMRole:
     """One engine, shared by every Generate call of the worker."""
 
-    def __init__(self, engine: Engine, model_dir: Path) -> None:
+    #: Sampling features beyond the common ones this engine serves (advertised next to the
+    #: operations, so that a caller can refuse a field rather than have it ignored).
+    features: tuple[str, ...] = ()
+    #: Whether the worker attaches the engine's device pool to the node's kv-agent itself
+    #: (``WorkerKV``); engines that share pages their own way leave it False.
+    kv_attach: bool = False
+
+    def __init__(self, engine: Any, model_dir: Path) -> None:
         self.engine = engine
         self.model_dir = model_dir
-        self._ids = itertools.count()
         self._prep: Preprocessor | None = None
         if engine.tokenizer is not None:
             layout = engine.layout
@@ -47,25 +47,23 @@ class LLMRole:
                 model_dir, layout.namespace, layout.page_size, tokenizer=engine.tokenizer
             )
 
-    @classmethod
-    async def load(cls, model_dir: Path, config: EngineConfig) -> LLMRole:
-        # Loading reads weights and may take seconds: keep the event loop answering health.
-        engine = await asyncio.to_thread(Engine, model_dir, config)
-        return await asyncio.to_thread(cls, engine, model_dir)  # reads the chat template
-
     @property
     def kv_namespace(self) -> str:
         return self.engine.layout.namespace_hex
 
     def context_length(self) -> int:
         """Prompt + generated tokens a request may hold (advertised as ``context_length``)."""
-        return int(self.engine.max_model_len)
+        raise NotImplementedError
 
     async def warm_up(self) -> None:
         """One tiny generation, so that the first user request pays no first-call costs."""
-        req = GenerateRequest("warm-up", prompt_token_ids=[0, 1, 2], params=SamplingParams(1, 0.0))
-        async for _ in self.engine.generate(req):
-            pass
+        raise NotImplementedError
+
+    def generate(
+        self, request_id: str, ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, streamed; closing the stream aborts the request."""
+        raise NotImplementedError
 
     @property
     def prep(self) -> Preprocessor:
@@ -100,16 +98,4 @@ class LLMRole:
 
     def abort(self, given: str) -> bool:
         """Abort the caller's own request ``given`` (another tenant's is not found)."""
-        return self.engine.abort(scoped_id(given))
-
-    async def generate(
-        self, request_id: str, ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        if params.structured is not None:  # compiled off the loop (cached for the engine)
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured)
-        # The caller's tenant salts the prompt's block hashes: its pages are its own.
-        extra = salted_extra_keys(None)
-        req = GenerateRequest(request_id, prompt_token_ids=ids, params=params, extra_keys=extra)
-        async with aclosing(self.engine.generate(req)) as stream:
-            async for out in stream:
-                yield out
+        return bool(self.engine.abort(scoped_id(given)))

@@ -25,12 +25,13 @@ from omniflow.kv.tensor_client import TensorClient
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime
+from omniflow.sampling import SamplingParams
 from omniflow.security.kvsalt import salted_extra_keys
 from omniflow.workers import WORKER_SERVICE, worker_from_instance
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
-from omniflow_services.worker.engine import GenerateRequest, SamplingParams
-from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.llm.role import LLMRole
+from omniflow_services.worker.llm.types import GenerateRequest
 from omniflow_services.worker.mm import audio_metrics
 from omniflow_services.worker.mm.image_role import ImageRequest
 from omniflow_services.worker.mm.media import AUDIO, IMAGE, MediaInput

@@ -12,8 +12,9 @@ from omniflow.errors import InvalidArgument
 from omniflow.models.resolve import resolve_model
 from omniflow.models.sources import SOURCES
 from omniflow.models.tiny_mm import IMAGE_HEAD_MODEL_TYPE
-from omniflow_services.worker.engine import BlockEventSink, Engine, EngineConfig, KVConnector
-from omniflow_services.worker.llm import LLMRole
+from omniflow_services.worker.engine import Engine, EngineConfig
+from omniflow_services.worker.engine.role import EngineRole
+from omniflow_services.worker.llm.connector import BlockEventSink, KVConnector
 from omniflow_services.worker.mm.encoders import EncoderRole
 from omniflow_services.worker.mm.image_role import DiffusionRole
 from omniflow_services.worker.mm.piper_talker import PiperTalker, is_piper_folder
@@ -28,7 +29,7 @@ class LoadedRoles:
     backbone, which also serves Generate in the same process, with the same weights)."""
 
     model: str
-    llm: LLMRole | None = None
+    llm: EngineRole | None = None
     encoder: EncoderRole | None = None
     diffusion: DiffusionRole | None = None
     talker: TalkerRole | PiperTalker | None = None
@@ -89,7 +90,7 @@ async def load_roles(
         engine = await asyncio.to_thread(
             Engine, backbone, config, connector=connector, events=events
         )
-        llm = LLMRole(engine, backbone)
+        llm = EngineRole(engine, backbone)
         await llm.warm_up()
         diffusion = await DiffusionRole.load(head, llm.engine)
         return LoadedRoles(str(head), llm=llm, diffusion=diffusion)

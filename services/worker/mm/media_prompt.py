@@ -22,7 +22,8 @@ from omniflow.chat import Preprocessor
 from omniflow.errors import FailedPrecondition, InvalidArgument
 from omniflow.kv.blocks import HASH_BYTES, item_id
 from omniflow.kv.tensor_client import TensorClient
-from omniflow_services.worker.engine import GenerateRequest, SamplingParams
+from omniflow.sampling import SamplingParams
+from omniflow_services.worker.llm.types import GenerateRequest
 from omniflow_services.worker.mm.media import IMAGE, MediaInput
 from omniflow_services.worker.mm.prompt import (
     ItemEmbeddings,

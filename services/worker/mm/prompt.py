@@ -20,7 +20,7 @@ import torch
 from omniflow.chat import ChatTemplate
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import MultimodalSpan, apply_multimodal
-from omniflow_services.worker.engine import EmbedSpan
+from omniflow_services.worker.llm.types import EmbedSpan
 
 #: Placeholders of a text prompt, matched in order with the request's items.
 PLACEHOLDER = re.compile(r"<\|(image|audio)\|>")

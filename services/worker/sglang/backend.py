@@ -27,21 +27,20 @@ import importlib.util
 import inspect
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omniflow.discovery import find_address
 from omniflow.errors import FailedPrecondition, Unimplemented
 from omniflow.finish import engine_finish
 from omniflow.kv.blocks import KVLayout
+from omniflow.sampling import SamplingParams
 from omniflow_services.worker.config import WorkerSettings
-from omniflow_services.worker.engine import EngineLoad, RequestOutput, SamplingParams, Usage
-from omniflow_services.worker.engine.config import ModelConfig
-from omniflow_services.worker.engine.loader import load_tokenizer
 from omniflow_services.worker.llm.backends import BackendRole
+from omniflow_services.worker.llm.connector import find_data_plane
+from omniflow_services.worker.llm.model_folder import ModelConfig, folder_tokenizer
+from omniflow_services.worker.llm.types import EngineLoad, RequestOutput, Usage
 from omniflow_services.worker.sglang.hicache import extra_config
 from omniflow_services.worker.sglang.pages import HostPageFormat, KeyMapper
 
@@ -222,7 +221,7 @@ class SGLangRole(BackendRole):
         # In the event loop's thread on purpose: SGLang installs signal handlers, which only
         # the main thread may do. Health stays NOT_SERVING meanwhile.
         engine = sglang.Engine(**config.engine_kwargs(model_dir, model_id))
-        return cls(SGLangEngine(engine, layout, load_tokenizer(model_dir), cfg), model_dir)
+        return cls(SGLangEngine(engine, layout, folder_tokenizer(model_dir), cfg), model_dir)
 
     def prompt_hashes(self, ids: Sequence[int]) -> list[bytes]:
         """The block hashes the prompt's pages get in the kv-agents (see ``sglang.pages``)."""
@@ -277,28 +276,6 @@ def require_sglang() -> None:
 
     if not torch.cuda.is_available():
         raise FailedPrecondition(f"OMNIFLOW_WORKER_ENGINE=sglang needs a CUDA GPU: {INSTALL_HINT}")
-
-
-async def find_data_plane(settings: WorkerSettings) -> tuple[str, str]:
-    """(this node's kv-agent, a kv-index) from the settings, else from discovery."""
-    from omniflow.rpc.server import registry_from_settings
-
-    agent = settings.kv_agent_addr
-    index = ""
-    try:
-        registry = registry_from_settings(settings)
-    except Exception as exc:
-        log.warning("no discovery for the kv-agent (%s)", exc)
-        return agent, index
-    try:
-        node = settings.node_id or socket.gethostname()
-        agent = await find_address(registry, "kv-agent", configured=agent, node=node)
-        index = await find_address(registry, "kv-index")
-    except Exception as exc:  # the cache tier is optional: serve without it
-        log.warning("kv-agent / kv-index discovery failed: %s", exc)
-    finally:
-        await registry.close()
-    return agent, index
 
 
 async def load_sglang_role(folder: Path, settings: WorkerSettings, dtype: str) -> SGLangRole:

@@ -41,13 +41,18 @@ from omniflow.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from omniflow.finish import engine_finish
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.rpc.server import Runtime
-from omniflow.sampling import StructuredOutput
+from omniflow.sampling import SamplingParams, StructuredOutput
 from omniflow_services.worker.config import WorkerSettings
-from omniflow_services.worker.engine import EngineLoad, RequestOutput, SamplingParams, Usage
-from omniflow_services.worker.engine.config import ModelConfig
-from omniflow_services.worker.engine.loader import load_tokenizer
-from omniflow_services.worker.engine.types import EngineStats, TopLogprobs
 from omniflow_services.worker.llm.backends import BackendRole
+from omniflow_services.worker.llm.connector import find_data_plane
+from omniflow_services.worker.llm.model_folder import ModelConfig, folder_tokenizer
+from omniflow_services.worker.llm.types import (
+    EngineLoad,
+    EngineStats,
+    RequestOutput,
+    TopLogprobs,
+    Usage,
+)
 from omniflow_services.worker.vllm.events import DeviceIndex, events_endpoint
 from omniflow_services.worker.vllm.pages import cpu_format, opaque_model_id
 
@@ -374,7 +379,7 @@ class VLLMRole(BackendRole):
         # Starting vLLM spawns its engine process and loads weights (tens of seconds on a
         # CPU); health stays NOT_SERVING meanwhile.
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[logger_cls])
-        engine = VLLMEngine(llm, layout, load_tokenizer(model_dir), cfg, observed)
+        engine = VLLMEngine(llm, layout, folder_tokenizer(model_dir), cfg, observed)
         # Ends vLLM's engine processes at exit, while the interpreter is still whole.
         atexit.register(engine.shutdown)
         log.info(
@@ -469,8 +474,6 @@ def require_vllm() -> None:
 
 async def load_vllm_role(folder: Path, settings: WorkerSettings, dtype: str) -> VLLMRole:
     """What ``WorkerCore.load`` calls for ``OMNIFLOW_WORKER_ENGINE=vllm``."""
-    from omniflow_services.worker.sglang.backend import find_data_plane
-
     require_vllm()
     agent, index = ("", "")
     if settings.kv_connect:

@@ -1,13 +1,28 @@
-"""Dataclasses at the engine's interface: requests, outputs, load and counters."""
+"""What an llm engine takes and gives: requests, outputs, load and counters.
+
+Every llm engine of the worker (the built-in one in ``engine/``, vLLM, SGLang, the echo
+engine) speaks these types, and none of them imports another's. Torch-free at import time
+(tensors appear in annotations only), so that an engine without torch can use them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from omniflow.sampling import SamplingParams
 
-from omniflow_services.worker.engine.sampling import SamplingParams, TopLogprobs
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprobs:
+    """The most likely alternatives at one position, most likely first."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,27 +1,103 @@
-"""``AgentConnector``: the engine's ``KVConnector`` protocol on top of ``KVClient``.
+"""The hook between an llm engine's device pool and the data plane (DESIGN.md §4.3).
 
-The engine (services/worker/engine/connector.py) calls ``fetch_pages`` and
-``store_pages`` from its own thread, synchronously. This adapter runs a ``KVClient`` on an
-event loop of its own: ``fetch_pages`` waits for the pages (copied out of the arena and
-verified against their checksums, then unpinned), ``store_pages`` only schedules the
-write-through and returns.
+On a prefix miss in the device pool the engine asks a ``KVConnector`` for pages by block
+hash and writes newly computed full pages through to it. Page bytes are in the KVLayout byte
+order of the built-in engine's ``KVPool`` (K then V; layer, head, token, dim).
+
+Here too are what serve the protocol: ``AgentConnector``, the node's kv-agent (and the
+index) through ``KVClient``; ``MemoryConnector``, a real in-process implementation (pages
+exported by one engine served to another in the same process); and ``find_data_plane``, the
+kv-agent and kv-index a worker's engine reaches (the vLLM and SGLang backends too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from omniflow.discovery import find_address
 from omniflow.kv.blocking import LoopThread
 from omniflow.kv.blocks import KVLayout
 from omniflow.kv.checksum import page_checksum
 from omniflow.kv.client import KVClient
 
+if TYPE_CHECKING:
+    from omniflow_services.worker.config import WorkerSettings
+
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class KVConnector(Protocol):
+    """Pages beyond the device pool. Any exception is treated as a miss and counted."""
+
+    def fetch_pages(self, layout: KVLayout, hashes: Sequence[bytes]) -> list[bytes]:
+        """Bytes of the longest leading run of ``hashes`` available (possibly empty).
+
+        Each item must be exactly ``layout.page_bytes`` long; the engine verifies that.
+        """
+        ...
+
+    def store_pages(
+        self, layout: KVLayout, hashes: Sequence[bytes], pages: Sequence[bytes]
+    ) -> None:
+        """Accept full pages just computed (write-through). Should not block for long:
+        an implementation queues the transfer and returns."""
+        ...
+
+
+@runtime_checkable
+class BlockEventSink(Protocol):
+    """Receives device-pool block events (for the KV index), once per engine step."""
+
+    def publish(
+        self, layout: KVLayout, stored: Sequence[bytes], removed: Sequence[bytes]
+    ) -> None: ...
+
+
+class MemoryConnector:
+    """A bounded, thread-safe in-process page store keyed by (namespace, block hash)."""
+
+    def __init__(self, capacity_pages: int = 4096) -> None:
+        self.capacity_pages = capacity_pages
+        self._pages: OrderedDict[tuple[bytes, bytes], bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.fetched = 0
+        self.stored = 0
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def fetch_pages(self, layout: KVLayout, hashes: Sequence[bytes]) -> list[bytes]:
+        ns = layout.namespace
+        out: list[bytes] = []
+        with self._lock:
+            for h in hashes:
+                blob = self._pages.get((ns, h))
+                if blob is None:
+                    break
+                self._pages.move_to_end((ns, h))
+                out.append(blob)
+            self.fetched += len(out)
+        return out
+
+    def store_pages(
+        self, layout: KVLayout, hashes: Sequence[bytes], pages: Sequence[bytes]
+    ) -> None:
+        ns = layout.namespace
+        with self._lock:
+            for h, blob in zip(hashes, pages, strict=True):
+                self._pages[(ns, h)] = blob
+                self._pages.move_to_end((ns, h))
+                self.stored += 1
+            while len(self._pages) > self.capacity_pages:
+                self._pages.popitem(last=False)
 
 
 class AgentConnector:
@@ -130,3 +206,26 @@ class AgentConnector:
             self._run(self.client.close())
         finally:
             self._loop.stop()
+
+
+async def find_data_plane(settings: WorkerSettings) -> tuple[str, str]:
+    """(this node's kv-agent, a kv-index) from the settings, else from discovery; ("", "")
+    parts when not found (the cache tier is optional: the engine serves without it)."""
+    from omniflow.rpc.server import registry_from_settings
+
+    agent = settings.kv_agent_addr
+    index = ""
+    try:
+        registry = registry_from_settings(settings)
+    except Exception as exc:
+        log.warning("no discovery for the kv-agent (%s)", exc)
+        return agent, index
+    try:
+        node = settings.node_id or socket.gethostname()
+        agent = await find_address(registry, "kv-agent", configured=agent, node=node)
+        index = await find_address(registry, "kv-index")
+    except Exception as exc:  # the cache tier is optional: serve without it
+        log.warning("kv-agent / kv-index discovery failed: %s", exc)
+    finally:
+        await registry.close()
+    return agent, index
