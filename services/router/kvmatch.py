@@ -15,6 +15,7 @@ from typing import Protocol
 
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 from omniflow.kv.index_store import KVIndex, OwnerMatch
+from omniflow.kv.wire import namespace_fields
 from omniflow.localredis import redis_client
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
@@ -23,7 +24,7 @@ _KIND = {kvindex_pb2.OWNER_KIND_WORKER: "worker", kvindex_pb2.OWNER_KIND_AGENT: 
 
 
 class PrefixIndex(Protocol):
-    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[OwnerMatch]: ...
+    async def match(self, namespace: bytes, hashes: Sequence[bytes]) -> list[OwnerMatch]: ...
 
     async def close(self) -> None: ...
 
@@ -35,7 +36,7 @@ class GrpcPrefixIndex:
         self._resolve = resolve
         self._channel: tuple[str, TracedChannel] | None = None
 
-    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[OwnerMatch]:
+    async def match(self, namespace: bytes, hashes: Sequence[bytes]) -> list[OwnerMatch]:
         address = await self._resolve()
         if self._channel is None or self._channel[0] != address:
             if self._channel is not None:
@@ -43,7 +44,7 @@ class GrpcPrefixIndex:
             self._channel = (address, open_channel(address, max_in_flight=None))
         stub = kvindex_pb2_grpc.KVIndexServiceStub(self._channel[1])
         reply = await stub.MatchPrefix(
-            kvindex_pb2.MatchPrefixRequest(namespace=namespace, block_hashes=list(hashes))
+            kvindex_pb2.MatchPrefixRequest(**namespace_fields(namespace), block_hashes=list(hashes))
         )
         merged: dict[str, list[int]] = {}
         meta: dict[str, kvindex_pb2.OwnerMatch] = {}
@@ -80,13 +81,13 @@ class RedisPrefixIndex:
         self._started = False
         self._lock = asyncio.Lock()
 
-    async def match(self, namespace: str, hashes: Sequence[bytes]) -> list[OwnerMatch]:
+    async def match(self, namespace: bytes, hashes: Sequence[bytes]) -> list[OwnerMatch]:
         if not self._started:
             async with self._lock:
                 if not self._started:
                     await self._index.start()
                     self._started = True
-        result = await self._index.match_prefix(bytes.fromhex(namespace), list(hashes))
+        result = await self._index.match_prefix(namespace, list(hashes))
         return list(result.owners)
 
     async def close(self) -> None:

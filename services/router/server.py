@@ -26,6 +26,7 @@ from omniflow.convert import strategy_name, strategy_value, worker_info
 from omniflow.discovery import find_address
 from omniflow.errors import InvalidArgument, OmniflowError, Unavailable
 from omniflow.kv.index_store import OwnerMatch
+from omniflow.kv.wire import read_namespace
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel, remaining_s
 from omniflow.rpc.server import Runtime, ServiceApp
@@ -61,7 +62,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             exclude=tuple(request.exclude_worker_ids),
             operation=request.operation,
             session_key=request.session_key,
-            namespace=request.kv_namespace,
+            namespace=read_namespace(request, "kv_namespace", optional=True),
             hashes=list(request.block_hashes),
             temperature=request.temperature,
             stored_node=request.kv_stored_node,
@@ -306,7 +307,7 @@ class RouterApp(ServiceApp):
         exclude: tuple[str, ...] = (),
         operation: str = "",
         session_key: str = "",
-        namespace: str = "",
+        namespace: bytes = b"",
         hashes: list[bytes] | None = None,
         temperature: float = 0.0,
         stored_node: str = "",
@@ -337,7 +338,7 @@ class RouterApp(ServiceApp):
         metrics.picked(result, time.perf_counter() - started)
         return result
 
-    async def _match(self, namespace: str, hashes: list[bytes]) -> tuple[Any, str]:
+    async def _match(self, namespace: bytes, hashes: list[bytes]) -> tuple[Any, str]:
         if not hashes:
             return [], ""
         if self.index is None:

@@ -34,7 +34,7 @@ async def test_redis_path_answers_under_the_index_prefix(redis_server: RedisProc
         entries = [BlockEntry(LAYOUT.namespace, h, Tier.HOST) for h in CHAIN[:4]]
         await index.snapshot("agent-n0", lease.epoch, entries)
 
-        owners = await router.match(LAYOUT.namespace.hex(), CHAIN)
+        owners = await router.match(LAYOUT.namespace, CHAIN)
         assert [(o.owner_id, o.kind, o.node, o.matched_blocks) for o in owners] == [
             ("agent-n0", "agent", "n0", 4)
         ]
@@ -44,7 +44,7 @@ async def test_redis_path_answers_under_the_index_prefix(redis_server: RedisProc
         assert kwargs["socket_timeout"] == 2.0
         # Under another prefix the namespace is unknown: nothing is read from these keys.
         with pytest.raises(NotFound):
-            await other.match(LAYOUT.namespace.hex(), CHAIN)
+            await other.match(LAYOUT.namespace, CHAIN)
     finally:
         await router.close()
         await other.close()
