@@ -95,6 +95,14 @@ class CoordinatorSettings(CommonSettings):
         "deadline of a node call when neither the node nor the run sets one",
         minimum=0.001,
     )
+    worker_wait_s: float = setting(
+        "OMNIFLOW_COORDINATOR_WORKER_WAIT_S",
+        30.0,
+        "how long a node call waits (within its deadline) for a worker of its role that is "
+        "restarting or loading (UNAVAILABLE, or no live worker of a role seen before), "
+        "whatever the node's retry policy; 0: no wait",
+        minimum=0.0,
+    )
     pick_timeout_s: float = setting(
         "OMNIFLOW_COORDINATOR_PICK_TIMEOUT_S",
         2.0,

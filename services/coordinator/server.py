@@ -22,6 +22,7 @@ from omniflow_services.coordinator.kvhints import KVHinter
 from omniflow_services.coordinator.limits import RunLimits, check_run_id
 from omniflow_services.coordinator.routers import RouterPool
 from omniflow_services.coordinator.runs import RunManager
+from omniflow_services.coordinator.waiting import WaitingCaller
 
 log = logging.getLogger(__name__)
 
@@ -74,27 +75,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             run_id,
             request.node_params,
         )
-        async for event in runs.events(run_id):
+        async for event in runs.events(run_id, tenant=runs.caller_tenant()):
             yield event
 
     async def StreamRunEvents(
         self, request: coordinator_pb2.StreamRunEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.RunEvent]:
-        await self.app.tenancy().check_run(request.run_id)
-        async for event in self.app.runs().events(request.run_id, request.from_seq):
+        tenant = await self.app.tenancy().check_run(request.run_id)
+        async for event in self.app.runs().events(request.run_id, request.from_seq, tenant):
             yield event
 
     async def GetRun(
         self, request: coordinator_pb2.GetRunRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.GetRunResponse:
-        await self.app.tenancy().check_run(request.run_id)
-        return coordinator_pb2.GetRunResponse(run=await self.app.runs().get(request.run_id))
+        tenant = await self.app.tenancy().check_run(request.run_id)
+        run = await self.app.runs().get(request.run_id, tenant)
+        return coordinator_pb2.GetRunResponse(run=run)
 
     async def CancelRun(
         self, request: coordinator_pb2.CancelRunRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.CancelRunResponse:
-        await self.app.tenancy().check_run(request.run_id)
-        state = await self.app.runs().cancel(request.run_id, request.reason)
+        tenant = await self.app.tenancy().check_run(request.run_id)
+        state = await self.app.runs().cancel(request.run_id, request.reason, tenant)
         return coordinator_pb2.CancelRunResponse(state=state)  # type: ignore[arg-type]
 
     async def _claim(self, request: coordinator_pb2.SubmitRunRequest) -> str:
@@ -179,10 +181,11 @@ class CoordinatorApp(ServiceApp):
             call_timeout_s=self.settings.node_timeout_s,
             hinter=KVHinter(self._workers, max_prompt_bytes=self.settings.max_prompt_bytes),
         )
+        caller = WaitingCaller(self._caller, wait_s=self.settings.worker_wait_s)
         s = self.settings
         self._runs = RunManager(
             self._redis,
-            self._caller,
+            caller,
             owner_id=runtime.instance_id,
             max_runs=s.max_runs,
             run_ttl_s=s.run_ttl_s,
