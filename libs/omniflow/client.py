@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -35,6 +34,7 @@ from typing import Any
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.coordinator.v1 import coordinator_pb2_grpc
+from omniflow.config import local_settings
 from omniflow.dsl.builder import Workflow
 from omniflow.errors import Unavailable
 from omniflow.rpc.client import open_channel
@@ -54,7 +54,7 @@ def _split(addresses: str) -> list[str]:
 
 
 def _run_folder() -> Path:
-    return Path(os.environ.get("OMNIFLOW_RUN_DIR", ".omniflow/run"))
+    return Path(local_settings().run_dir)
 
 
 def _local_state() -> dict[str, Any]:
@@ -69,7 +69,7 @@ def coordinator_addresses(explicit: str = "") -> list[str]:
     """Every coordinator address known without a network call: the argument or
     ``OMNIFLOW_COORDINATOR_ADDR`` (comma-separated), else those ``omniflow up``
     recorded in its run folder."""
-    given = _split(explicit) or _split(os.environ.get("OMNIFLOW_COORDINATOR_ADDR", ""))
+    given = _split(explicit) or _split(local_settings().coordinator_addr)
     if given:
         return given
     found = [
@@ -131,7 +131,7 @@ class Client:
     ) -> None:
         self._explicit = address
         self._addresses = coordinator_addresses(address)
-        local = not _split(address) and not _split(os.environ.get("OMNIFLOW_COORDINATOR_ADDR", ""))
+        local = not _split(address) and not _split(local_settings().coordinator_addr)
         if run_dir is not None or local:
             # A local topology (``omniflow up``; ``run_dir`` names its run folder when the
             # addresses are given): present that run folder's client certificate and token.

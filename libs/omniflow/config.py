@@ -60,7 +60,9 @@ def _convert(raw: str, typ: Any, env: str) -> Any:
             return True
         if low in _FALSE:
             return False
-        raise SettingsError(f"{env}={raw!r} is not a boolean; accepted: 1/0, true/false, yes/no")
+        raise SettingsError(
+            f"{env}={raw!r} is not a boolean; accepted: on/off, 1/0, true/false, yes/no"
+        )
     if typ is int:
         try:
             return int(raw)
@@ -145,7 +147,11 @@ class CommonSettings:
     discovery: str = setting(
         "OMNIFLOW_DISCOVERY", "redis", "discovery backend", choices=("redis", "consul", "static")
     )
-    redis_url: str = setting("OMNIFLOW_REDIS_URL", "redis://127.0.0.1:6379/0", "Redis URL")
+    redis_url: str = setting(
+        "OMNIFLOW_REDIS_URL",
+        "redis://127.0.0.1:6379/0",
+        "Redis URL; `omniflow up` starts its own Redis unless it is set",
+    )
     consul_addr: str = setting("CONSUL_HTTP_ADDR", "127.0.0.1:8500", "Consul HTTP API address")
     consul_token: str = setting("CONSUL_HTTP_TOKEN", "", "Consul ACL token")
     consul_check: str = setting(
@@ -279,3 +285,40 @@ class SecuritySettings:
                 "OMNIFLOW_AUTH=on needs OMNIFLOW_TLS=on (identities come from certificates)"
             )
         return self
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSettings:
+    """What ``omniflow up`` and the clients started on this machine (the CLI, ``Client``)
+    read: the run folder and where the coordinator is. The last three are variables the
+    services declare too, read here only to know whether the user gave them."""
+
+    run_dir: str = setting(
+        "OMNIFLOW_RUN_DIR",
+        ".omniflow/run",
+        "run folder of `omniflow up` (state, logs, pki); clients find the topology there",
+    )
+    coordinator_addr: str = setting(
+        "OMNIFLOW_COORDINATOR_ADDR",
+        "",
+        "clients: coordinator addresses (comma-separated); empty: those the run folder records",
+    )
+    supervise: bool = setting(
+        "OMNIFLOW_SUPERVISE", True, "`omniflow up` starts the supervisor that restarts the dead"
+    )
+    up_tls: bool = setting(
+        "OMNIFLOW_UP_TLS",
+        True,
+        "`omniflow up` turns mutual TLS and auth on; off: plaintext (development only)",
+    )
+    redis_url: str = setting("OMNIFLOW_REDIS_URL", "", "`omniflow up`: empty starts its own Redis")
+    tls: str = setting("OMNIFLOW_TLS", "", "set: the process configures its security itself")
+    gateway_api_keys_file: str = setting(
+        "OMNIFLOW_GATEWAY_API_KEYS_FILE", "", "set: the gateway's keys are the user's"
+    )
+
+
+def local_settings() -> LocalSettings:
+    """:class:`LocalSettings` from the environment as it is now (read at each call: the
+    CLI and tests change ``OMNIFLOW_RUN_DIR`` between calls)."""
+    return load_settings(LocalSettings)

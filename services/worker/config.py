@@ -22,6 +22,11 @@ class WorkerSettings(CommonSettings):
     models_dir: str = setting(
         "OMNIFLOW_MODELS_DIR", "~/.cache/omniflow/models", "where tiny:<arch> models are written"
     )
+    kernel_cache: str = setting(
+        "OMNIFLOW_KERNEL_CACHE",
+        "~/.cache/omniflow/kernels",
+        "where the engine's fused CPU kernels are built, once per source, torch and CPU",
+    )
     kv_cache_bytes: int = setting(
         "OMNIFLOW_WORKER_KV_BYTES", 256 * 1024 * 1024, "device KV pool size in bytes", minimum=1
     )

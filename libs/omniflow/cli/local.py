@@ -58,7 +58,7 @@ class Proc:
 
 
 def run_dir() -> Path:
-    return local_settings().run_dir.resolve()
+    return Path(local_settings().run_dir).resolve()
 
 
 def run_tag(folder: Path) -> str:

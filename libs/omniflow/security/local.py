@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from omniflow.config import SecuritySettings
+from omniflow.config import SecuritySettings, SettingsError, local_settings
 from omniflow.errors import InvalidArgument
 from omniflow.security.apikeys import write_keys
 from omniflow.security.bundle import Bundle, make_bundle
@@ -45,18 +45,15 @@ KIND_OF_MODULE = {
 
 
 UP_TLS_VAR = "OMNIFLOW_UP_TLS"
-_OFF, _ON = ("off", "0", "false", "no"), ("on", "1", "true", "yes")
 
 
 def enabled() -> bool:
     """Whether ``omniflow up`` turns mutual TLS and auth on: yes unless ``OMNIFLOW_UP_TLS``
     is ``off`` (development; ``omniflow up --insecure`` sets it)."""
-    value = os.environ.get(UP_TLS_VAR, "on").strip().lower() or "on"
-    if value in _OFF:
-        return False
-    if value in _ON:
-        return True
-    raise InvalidArgument(f"{UP_TLS_VAR}={value!r}; accepted: on, off")
+    try:
+        return local_settings().up_tls
+    except SettingsError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +68,7 @@ class LocalPKI:
     def env_for(self, name: str, module: str) -> dict[str, str]:
         """The security env of process ``name`` (its instance id) running ``module``."""
         env = self.bundle.env_for(self.identity(name, module))
-        if module == "gateway" and not os.environ.get("OMNIFLOW_GATEWAY_API_KEYS_FILE"):
+        if module == "gateway" and not local_settings().gateway_api_keys_file:
             env["OMNIFLOW_GATEWAY_API_KEYS_FILE"] = str(self.gateway_keys)  # else: the user's
         return env
 
@@ -136,7 +133,7 @@ def use_local_security(folder: Path, *, starting: bool = False) -> bool:
     both) it is another run's, and a client that took it would fail every handshake with
     whatever plaintext topology it talks to now. ``starting``: ``up`` itself, before its
     first process is recorded."""
-    if os.environ.get("OMNIFLOW_TLS"):
+    if local_settings().tls:
         return False
     if not starting and not (folder / STATE_FILE).is_file():
         return False

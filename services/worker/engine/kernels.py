@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import sys
 import threading
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from omniflow.config import load_settings
+from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.engine.config import KERNELS as CHOICES
 
 log = logging.getLogger(__name__)
@@ -51,13 +52,13 @@ def _cpu_flags() -> str:
 
 def cache_dir() -> Path:
     """The build folder for this source, torch and CPU."""
-    root = os.environ.get("OMNIFLOW_KERNEL_CACHE") or Path.home() / ".cache/omniflow/kernels"
+    root = Path(load_settings(WorkerSettings).kernel_cache).expanduser()
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
     h.update(" ".join(FLAGS).encode())
-    return Path(root) / h.hexdigest()[:16]
+    return root / h.hexdigest()[:16]
 
 
 def load() -> bool:

@@ -37,7 +37,6 @@ thread stores them at the agent (zero-copy into its arena on the same node), off
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import re
 import threading
@@ -55,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from omniflow.config import CommonSettings, load_settings
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocking import AgentPageStore
 from omniflow.kv.blocks import extend_chain
@@ -177,7 +177,8 @@ class OmniflowConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if not logging.getLogger().handlers:  # vLLM's engine processes configure only "vllm"
-            setup_logging(f"vllm-{role.name.lower()}", os.environ.get("OMNIFLOW_LOG_LEVEL", "INFO"))
+            level = load_settings(CommonSettings).log_level
+            setup_logging(f"vllm-{role.name.lower()}", level)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = ConnectorConfig.from_extra(extra)
         self.layout = self.config.layout
