@@ -1,9 +1,9 @@
-"""Worker roles and their operations (the one table), and how a worker appears in
-discovery: the metadata keys, and conversion to WorkerInfo.
+"""How a worker appears in discovery: the metadata keys, and conversion to WorkerRecord.
 
 Workers register under the discovery service name ``worker`` with their role, model,
 KV namespace, node and operations in the metadata; the router and coordinator read
-them back through :func:`worker_from_instance`.
+them back through :func:`worker_from_instance`. The roles and what each operation takes
+are the table of ``omniflow.operations``.
 """
 
 from __future__ import annotations
@@ -11,23 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from omniflow.discovery import ServiceInstance
+from omniflow.operations import ROLES
+
+__all__ = ["ROLES", "WORKER_SERVICE", "WorkerRecord", "worker_from_instance", "worker_metadata"]
 
 WORKER_SERVICE = "worker"
-
-#: The roles a worker can serve (``OMNIFLOW_WORKER_ROLE``, a topology's ``role:``).
-ROLES = ("llm", "encoder", "diffusion", "talker", "embed")
-
-#: Operations each role serves once its model is loaded (advertised in discovery).
-ROLE_OPERATIONS: dict[str, tuple[str, ...]] = {
-    "llm": ("generate",),
-    "encoder": ("encode",),
-    "diffusion": ("generate_image", "generate"),  # its backbone serves Generate too
-    "talker": ("synthesize",),
-    "embed": ("embed",),  # through Invoke: token ids in, one pooled vector per input out
-}
-
-#: Operations a role adds through ``Invoke`` when its model can (an encoder with Whisper).
-MODEL_OPERATIONS: dict[str, tuple[str, ...]] = {"encoder": ("transcribe",)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,18 @@
 """The coordinator's WorkerCaller over gRPC: the router's ``Pick`` and worker stubs.
 
-Built-in operations map to their WorkerService methods (``generate`` → Generate,
-``synthesize`` → Synthesize, ``encode`` → Encode, ``generate_image`` → GenerateImage);
-any other operation goes through ``Invoke`` with the node's params merged into its
+Each operation of the table (``omniflow.operations``) is called through the WorkerService
+method its ``rpc`` names (``llm.generate`` → Generate, ``talker.synthesize`` → Synthesize,
+``encoder.encode`` → Encode, ``diffusion.generate_image`` → GenerateImage), its params read
+with the table's types and defaults; any other operation (the table's ``Invoke`` ones and
+those users register) goes through ``Invoke`` with the node's params merged into its
 inputs. Cancelling the awaiting task cancels the RPC, so a cancelled run or a missed
 deadline also ends the call on the worker.
 
-The Pick of an ``llm.generate`` call carries KV hints (namespace and the prompt's block
-hashes, see ``kvhints``) whenever the call may be routed ``kv_aware``: its strategy says
-so, or it leaves the choice to the router and the router's default for the role is
-``kv_aware`` (learnt from Pick replies; assumed until the first reply says otherwise).
+The Pick of a call whose operation's ``hints`` come from its prompt (``llm.generate``)
+carries KV hints (namespace and the prompt's block hashes, see ``kvhints``) whenever the
+call may be routed ``kv_aware``: its strategy says so, or it leaves the choice to the
+router and the router's default for the role is ``kv_aware`` (learnt from Pick replies;
+assumed until the first reply says otherwise).
 The worker then gets the same token ids the hashes were made from (tokenized once, here);
 a node with param ``chat`` sends its prompt as one user message (after ``system``, when
 set), rendered with the model's own chat template.
@@ -28,6 +31,7 @@ from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.errors import InvalidArgument, OmniflowError
 from omniflow.finish import finish_from_proto
+from omniflow.operations import operation as table_op
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.sampling import SamplingParams
@@ -62,12 +66,15 @@ def node_overrides(
     return {n: {k: to_python(v) for k, v in p.fields.items()} for n, p in node_params.items()}
 
 
+_GENERATE = table_op("llm", "generate")
+_IMAGE = table_op("diffusion", "generate_image")
+_SYNTHESIZE = table_op("talker", "synthesize")
+assert _GENERATE is not None and _IMAGE is not None and _SYNTHESIZE is not None
+
+
 def llm_prompt(text: str, params: dict[str, Any]) -> Prompt:
     """The prompt of an llm generate node: its text, a chat turn when param ``chat``."""
-    system = params.get("system", "")
-    if not isinstance(system, str):
-        raise InvalidArgument(f"param 'system' is {type(system).__name__}; accepted: a string")
-    return Prompt(text, bool(params.get("chat", False)), system)
+    return Prompt(text, _GENERATE.param(params, "chat"), _GENERATE.param(params, "system"))
 
 
 def chat_request(prompt: Prompt) -> worker_pb2.ChatMessages:
@@ -90,15 +97,16 @@ def image_request(req: CallRequest) -> worker_pb2.GenerateImageRequest:
     p = {**req.params, **{k: v for k, v in req.inputs.items() if v is not None}}
     msg = worker_pb2.GenerateImageRequest(
         request_id=req.request_id,
-        width=int(p.get("width", 0)),
-        height=int(p.get("height", 0)),
-        steps=int(p.get("steps", 0)),
-        guidance_scale=float(p.get("guidance_scale", 0.0)),
-        negative_prompt=str(p.get("negative_prompt", "")),
-        return_ref=bool(p.get("return_ref", False)),
+        width=_IMAGE.param(p, "width"),
+        height=_IMAGE.param(p, "height"),
+        steps=_IMAGE.param(p, "steps"),
+        guidance_scale=float(_IMAGE.param(p, "guidance_scale")),
+        negative_prompt=_IMAGE.param(p, "negative_prompt"),
+        return_ref=_IMAGE.param(p, "return_ref"),
     )
-    if "seed" in p:
-        msg.seed = int(p["seed"])
+    seed = _IMAGE.param(p, "seed")
+    if seed is not None:
+        msg.seed = seed
     pages = req.inputs.get("pages")
     if pages is not None:
         if not isinstance(pages, dict):
@@ -121,8 +129,7 @@ def image_request(req: CallRequest) -> worker_pb2.GenerateImageRequest:
 REPORT_INTERVAL_S = 0.02
 KV_AWARE = router_pb2.STRATEGY_KV_AWARE
 # With a history or media the Pick goes without hints: a hint covers one user turn only.
-_PROMPT = ("prompt", "messages", "media")
-_PAGES = ("pages",)
+_NO_HINTS = ("messages", "media")
 
 
 class GrpcWorkerCaller:
@@ -164,16 +171,18 @@ class GrpcWorkerCaller:
         )
 
     def _wants_hints(self, role: str, operation: str, strategy: int) -> bool:
-        if self.hinter is None or role != "llm" or operation != "generate":
+        op = table_op(role, operation)
+        if self.hinter is None or op is None or op.hints != "prompt":
             return False
         return self._kv_routed(role, strategy)
 
     def pick_reads(self, role: str, operation: str, strategy: int) -> tuple[str, ...]:
         """Inputs whose values the Pick of such a call carries (the prompt, for hints; the
         pages of a generate_image call, whose own hashes are its hints)."""
-        if operation == "generate_image" and self._kv_routed(role, strategy):
-            return _PAGES
-        return _PROMPT if self._wants_hints(role, operation, strategy) else ()
+        op = table_op(role, operation)
+        if op is not None and op.hints == "pages" and self._kv_routed(role, strategy):
+            return ("pages",)
+        return ("prompt", *_NO_HINTS) if self._wants_hints(role, operation, strategy) else ()
 
     async def pick(self, req: CallRequest, exclude: tuple[str, ...]) -> Target:
         stub = await self._router()
@@ -201,8 +210,10 @@ class GrpcWorkerCaller:
                 msg.block_hashes.extend(hints.block_hashes)
                 msg.prompt_tokens = hints.prompt_tokens
         pages = req.inputs.get("pages")
+        op = table_op(req.role, req.operation)
         if (
-            req.operation == "generate_image"
+            op is not None
+            and op.hints == "pages"
             and pages is not None
             and self._kv_routed(req.role, req.strategy)
         ):
@@ -225,14 +236,16 @@ class GrpcWorkerCaller:
         self, target: Target, req: CallRequest, on_chunk: ChunkSink | None
     ) -> dict[str, Any]:
         stub = self._stub(target.address)
+        op = table_op(req.role, req.operation)
+        rpc = op.rpc if op is not None else "Invoke"
         # A failed call raises its domain error (the channel maps it).
-        if req.operation == "generate":
+        if rpc == "Generate":
             return await self._generate(stub, target, req, on_chunk)
-        if req.operation == "synthesize":
+        if rpc == "Synthesize":
             return await self._synthesize(stub, req, on_chunk)
-        if req.operation == "encode":
+        if rpc == "Encode":
             return await self._encode(stub, req)
-        if req.operation == "generate_image":
+        if rpc == "GenerateImage":
             return await self._image(stub, req)
         inputs = {**req.params, **req.inputs}
         reply = await stub.Invoke(
@@ -262,7 +275,7 @@ class GrpcWorkerCaller:
             request_id=req.request_id,
             sampling=sampling_params(req.params),
             session_key=str(req.inputs.get("session") or req.session_key),
-            prefill_only=bool(req.params.get("prefill_only", False)),
+            prefill_only=_GENERATE.param(req.params, "prefill_only"),
         )
         ready = None
         history = has_conversation(req.inputs)
@@ -306,8 +319,8 @@ class GrpcWorkerCaller:
             worker_pb2.SynthesizeRequest(
                 request_id=req.request_id,
                 text=str(req.inputs.get("text", "")),
-                voice=str(req.params.get("voice", "")),
-                sample_rate=int(req.params.get("sample_rate", 0)),
+                voice=_SYNTHESIZE.param(req.params, "voice"),
+                sample_rate=_SYNTHESIZE.param(req.params, "sample_rate"),
             ),
             timeout=req.timeout_s,
         )

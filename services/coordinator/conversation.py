@@ -22,11 +22,13 @@ from typing import Any
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2
 from omniflow.errors import InvalidArgument
+from omniflow.operations import operation
 
 MAX_MESSAGES = 256
 MAX_MEDIA = 16
 ROLES = ("system", "user", "assistant")
-MEDIA_TURNS = ("first", "last")
+_GENERATE = operation("llm", "generate")
+assert _GENERATE is not None
 _KINDS = {"image": common_pb2.MediaItem.KIND_IMAGE, "audio": common_pb2.MediaItem.KIND_AUDIO}
 
 
@@ -84,12 +86,8 @@ def conversation(
 ) -> worker_pb2.ChatMessages:
     """The chat messages of a generate call: ``system`` param, history, the new user turn
     (``prompt``), with the media in the turn ``media_turn`` names."""
-    system = params.get("system", "")
-    if not isinstance(system, str):
-        raise InvalidArgument(f"param 'system' is {type(system).__name__}; accepted: a string")
-    where = params.get("media_turn", "first")
-    if where not in MEDIA_TURNS:
-        raise InvalidArgument(f"param 'media_turn' is {where!r}; accepted: first, last")
+    system = _GENERATE.param(params, "system")
+    where = _GENERATE.param(params, "media_turn")
     turns = _history(inputs.get("messages"))
     if system and not any(role == "system" for role, _ in turns):
         turns.insert(0, ("system", system))

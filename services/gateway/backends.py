@@ -26,6 +26,7 @@ from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.discovery import Registry
+from omniflow.dsl.flow import chat_parts
 from omniflow.errors import NotFound, OmniflowError, Unavailable
 from omniflow.finish import finish_from_proto
 from omniflow.rpc.client import open_channel
@@ -397,4 +398,5 @@ def workflow_info(g: Any) -> WorkflowInfo:
         {k: produced[k].output if k in produced else "" for k in g.outputs},
         {p.name: int(p.type) for p in g.output_ports},
         nodes,
+        chat_parts(g),
     )

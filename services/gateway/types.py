@@ -64,6 +64,9 @@ class WorkflowInfo:
     sources: dict[str, str] = field(default_factory=dict)
     output_types: dict[str, int] = field(default_factory=dict)  # graph output -> value type
     nodes: dict[str, NodeInfo] = field(default_factory=dict)  # top-level call nodes
+    #: graph input -> the chat parts it takes: those of the call inputs it reaches in the
+    #: table of operations (``omniflow.dsl.flow.chat_parts``)
+    takes: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -2,18 +2,21 @@
 image prompt becomes the workflow's inputs, its outputs become the answer's text, audio and
 image.
 
-What a chat gives, by input name (any other required input is a 400 that names it):
+What a chat gives goes to the workflow input that takes it, never guessed from a name: an
+input takes the chat parts of the call inputs it reaches (``WorkflowInfo.takes``, from the
+table of operations, ``omniflow.operations``; any other required input is a 400 that names
+it, and so is a part that two inputs take):
 
-- the text input (``text``, ``question``, ``prompt``, ``input`` or ``query``; else the first
-  required text input): the last user message's text;
-- ``audio``: the last user message's ``input_audio`` part (the file's bytes; a media item
-  for a MEDIA input);
-- ``image``: the latest ``image_url`` data URL of any user message (the conversation's
-  image, sent again each turn so that its pages are reused);
-- ``messages``: the conversation before the last user message, ``[{role, content}]`` as
-  text; an earlier spoken turn stands as what was heard, an assistant ``audio: {id}`` as its
-  transcript (both remembered by :class:`Recall`);
-- ``system``: the system messages' text (then left out of ``messages``).
+- ``text`` (an input reaching ``llm.generate``'s ``prompt``, ``talker.synthesize``'s
+  ``text`` or ``diffusion.generate_image``'s ``prompt``): the last user message's text;
+- ``audio`` (reaching ``encoder.transcribe``'s or ``encoder.encode``'s ``audio``): the last
+  user message's ``input_audio`` part (the file's bytes; a media item for a MEDIA input);
+- ``image`` (``encoder.encode``'s ``image``): the latest ``image_url`` data URL of any user
+  message (the conversation's image, sent again each turn so that its pages are reused);
+- ``messages`` (``llm.generate``'s ``messages``): the conversation before the last user
+  message, ``[{role, content}]`` as text, system messages included; an earlier spoken turn
+  stands as what was heard, an assistant ``audio: {id}`` as its transcript (both remembered
+  by :class:`Recall`).
 
 What the answer takes, by output name: the text (``answer``, ``text``, ``output``,
 ``response``, else the last output), the audio (``audio``, ``speech``, ``wav``, ``pcm``, or
@@ -34,6 +37,7 @@ from typing import Any
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.errors import InvalidArgument, OmniflowError
+from omniflow.operations import OPERATIONS
 from omniflow.values import VType
 from omniflow_services.gateway.audio import TALKER_DEFAULT_RATE
 from omniflow_services.gateway.types import MediaPart, WorkflowInfo
@@ -42,10 +46,8 @@ ANSWER_OUTPUTS = ("answer", "text", "output", "response")
 AUDIO_OUTPUTS = ("audio", "speech", "wav", "pcm")
 IMAGE_OUTPUTS = ("image", "png")
 REVISED_PROMPT_OUTPUTS = ("revised_prompt", "prompt_used", "final_prompt")
-TEXT_INPUTS = ("text", "question", "prompt", "input", "query")
 HEARD_OUTPUT = "transcript"
 AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg"}
-_TEXTUAL = (VType.ANY, VType.TEXT)
 _BINARY = (VType.ANY, VType.BYTES, VType.MEDIA)
 
 
@@ -83,7 +85,6 @@ class ChatTurn:
     audio: MediaPart | None = None
     image: MediaPart | None = None
     history: list[dict[str, str]] = field(default_factory=list)
-    system: list[str] = field(default_factory=list)
 
 
 def data_url(url: str, where: str) -> MediaPart:
@@ -141,7 +142,6 @@ def chat_turn(messages: Sequence[dict[str, Any]], recall: Recall) -> ChatTurn:
         if i == last:
             turn.text, turn.audio = text, audio
         elif m["role"] == "system":
-            turn.system.append(text)
             turn.history.append({"role": "system", "content": text})
         else:
             turn.history.append({"role": m["role"], "content": _said(m, i, text, audio, recall)})
@@ -172,22 +172,43 @@ def _media_value(part: MediaPart, vtype: int, kind: int) -> Any:
     return part.data
 
 
-def text_input(info: WorkflowInfo) -> str | None:
-    """The input a prompt's text goes to."""
-    for port, vtype, _ in info.inputs:
-        if port in TEXT_INPUTS and vtype in _TEXTUAL:
-            return port
-    special = ("messages", "system", "audio", "image")
-    return next(
-        (p for p, t, opt in info.inputs if t in _TEXTUAL and not opt and p not in special), None
+def _takers(part: str) -> str:
+    """The call inputs of the table that take ``part``, for error messages."""
+    return ", ".join(
+        f"{op.role}.{op.name} {i.name}" for op in OPERATIONS for i in op.inputs if i.chat == part
     )
+
+
+def taking(info: WorkflowInfo, part: str) -> str | None:
+    """The input of ``info`` that takes the chat part ``part`` (None when none does); a 400
+    when several do, as the gateway cannot tell which one the request means."""
+    ports = [p for p, _, _ in info.inputs if part in info.takes.get(p, ())]
+    if len(ports) > 1:
+        raise InvalidArgument(
+            f"workflow {info.name!r} has {len(ports)} inputs that take the chat's {part} "
+            f"({', '.join(ports)}: each reaches {_takers(part)}), so a request cannot say "
+            "which one it fills; run it through the coordinator's API instead"
+        )
+    return ports[0] if ports else None
+
+
+def text_input(info: WorkflowInfo) -> str:
+    """The input a prompt's text goes to; a 400 naming what is missing when none takes it."""
+    port = taking(info, "text")
+    if port is None:
+        names = ", ".join(p for p, _, _ in info.inputs) or "none"
+        raise InvalidArgument(
+            f"workflow {info.name!r} has no input that takes the text: none of its inputs "
+            f"({names}) reaches an input that takes it ({_takers('text')})"
+        )
+    return port
 
 
 def chat_inputs(info: WorkflowInfo, turn: ChatTurn) -> dict[str, Any]:
     """The inputs of one run of ``info`` for a chat turn."""
     name = info.name
-    text_port = text_input(info)
-    ports = {p for p, _, _ in info.inputs}
+    text_port = taking(info, "text")
+    parts = {part: taking(info, part) for part in ("audio", "image", "messages")}
     media = {
         "audio": (
             turn.audio,
@@ -198,17 +219,11 @@ def chat_inputs(info: WorkflowInfo, turn: ChatTurn) -> dict[str, Any]:
     }
     inputs: dict[str, Any] = {}
     for port, vtype, optional in info.inputs:
-        if port == "messages":
-            history = turn.history
-            if "system" in ports:
-                history = [m for m in history if m["role"] != "system"]
-            if history or not optional:
-                inputs[port] = history
-        elif port == "system" and vtype in _TEXTUAL:
-            if turn.system or not optional:
-                inputs[port] = "\n".join(turn.system)
-        elif port in media and vtype in _BINARY:
-            part, kind, how = media[port]
+        if port == parts["messages"]:
+            if turn.history or not optional:
+                inputs[port] = turn.history
+        elif port in (parts["audio"], parts["image"]):
+            part, kind, how = media["audio" if port == parts["audio"] else "image"]
             if part is not None:
                 inputs[port] = _media_value(part, vtype, kind)
             elif not optional:
@@ -223,8 +238,9 @@ def chat_inputs(info: WorkflowInfo, turn: ChatTurn) -> dict[str, Any]:
                 )
         elif not optional:
             raise InvalidArgument(
-                f"workflow {name!r} needs input {port!r}, which a chat request cannot give; "
-                "run it through the coordinator's API instead"
+                f"workflow {name!r} needs input {port!r}, which a chat request cannot give (it "
+                "reaches no call input that takes a part of a chat: text, audio, image or "
+                "messages); run it through the coordinator's API instead"
             )
     return inputs
 
@@ -266,25 +282,24 @@ def image_inputs(
     info: WorkflowInfo, prompt: str, size: tuple[int, int] | None, seed: int | None
 ) -> dict[str, Any]:
     """The inputs of one run of an image workflow: the prompt, ``size`` as ``width`` and
-    ``height`` and ``seed`` (when the workflow takes them)."""
-    types = {p: t for p, t, _ in info.inputs}
-    port = "prompt" if types.get("prompt") in _TEXTUAL else text_input(info)
-    if port is None:
-        raise InvalidArgument(f"workflow {info.name!r} has no text input for the prompt")
-    inputs: dict[str, Any] = {port: prompt}
+    ``height`` and ``seed``, each to the input that takes it (a 400 when none does)."""
+    inputs: dict[str, Any] = {text_input(info): prompt}
     if size is not None:
-        if not all(types.get(k) in (VType.ANY, VType.INT) for k in ("width", "height")):
+        width, height = taking(info, "width"), taking(info, "height")
+        if width is None or height is None:
             raise InvalidArgument(
-                f"size: workflow {info.name!r} sets its own image size (it has no width and "
-                "height inputs); leave size unset"
+                f"size: workflow {info.name!r} sets its own image size (no inputs of it reach "
+                f"{_takers('width')} and {_takers('height')}); leave size unset"
             )
-        inputs["width"], inputs["height"] = size
+        inputs[width], inputs[height] = size
     if seed is not None:
-        if types.get("seed") not in (VType.ANY, VType.INT):
+        port = taking(info, "seed")
+        if port is None:
             raise InvalidArgument(
-                f"seed: workflow {info.name!r} has no seed input; leave seed unset"
+                f"seed: workflow {info.name!r} has no seed input (none reaches "
+                f"{_takers('seed')}); leave seed unset"
             )
-        inputs["seed"] = seed
+        inputs[port] = seed
     for p, _, optional in info.inputs:
         if p not in inputs and not optional:
             raise InvalidArgument(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omniflow.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from omniflow.models.resolve import resolve_model
-from omniflow.workers import ROLE_OPERATIONS
+from omniflow.operations import served
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.embed.role import EmbedRole
 from omniflow_services.worker.engine import EngineConfig
@@ -39,9 +39,9 @@ class WorkerCore:
 
     @property
     def operations(self) -> tuple[str, ...]:
-        ops = ROLE_OPERATIONS.get(self.role, ()) if self.model else ()
-        if self.mm is not None and self.mm.encoder is not None:
-            ops += self.mm.encoder.operations  # transcribe, with a Whisper model
+        # The table's operations of the role; transcribe only with a Whisper model.
+        can = self.mm.encoder.operations if self.mm is not None and self.mm.encoder else ()
+        ops = served(self.role, model_can=can) if self.model else ()
         if self.llm is not None:  # sampling features beyond the common ones
             ops += self.llm.features
         return ops

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -22,10 +22,10 @@ from omniflow.workers import WORKER_SERVICE, worker_metadata
 from omniflow_services.worker import metrics
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
-from omniflow_services.worker.embed.edge import EMBED_OPERATIONS, invoke_embed
+from omniflow_services.worker.embed.edge import invoke_embed
 from omniflow_services.worker.kv import WorkerKV
 from omniflow_services.worker.llm.role import LLMRole
-from omniflow_services.worker.mm.audio_edge import AUDIO_OPERATIONS, invoke_audio
+from omniflow_services.worker.mm.audio_edge import invoke_audio
 from omniflow_services.worker.mm.edge import MultimodalEdge, has_media
 
 log = logging.getLogger(__name__)
@@ -189,11 +189,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Invoke(
         self, request: worker_pb2.InvokeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.InvokeResponse:
-        if request.operation in AUDIO_OPERATIONS:
-            return await invoke_audio(self.app.core, request, self.app.mm.tensors)
-        if request.operation in EMBED_OPERATIONS:
-            return await invoke_embed(self.app.core.require_embed(), request)
-        raise unimplemented("user-registered operations (Control Flow)")
+        # Each handler asks for its role (FailedPrecondition naming this worker's role).
+        handler = next((h for (_, op), h in INVOKE.items() if op == request.operation), None)
+        if handler is None:
+            raise unimplemented("user-registered operations (Control Flow)")
+        return await handler(self.app, request)
 
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -226,6 +226,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return worker_pb2.GetInfoResponse(info=info)
         layout = layout_to_proto(core.llm.engine.layout)
         return worker_pb2.GetInfoResponse(info=info, kv_layout=layout)
+
+
+InvokeHandler = Callable[
+    ["WorkerApp", worker_pb2.InvokeRequest], Awaitable[worker_pb2.InvokeResponse]
+]
+
+#: The operations this edge serves through Invoke, by (role, operation) of the table
+#: (``omniflow.operations``; tests/worker/test_operations_table.py holds them to it).
+INVOKE: dict[tuple[str, str], InvokeHandler] = {
+    ("encoder", "transcribe"): lambda app, r: invoke_audio(app.core, r, app.mm.tensors),
+    ("embed", "embed"): lambda app, r: invoke_embed(app.core.require_embed(), r),
+}
 
 
 class WorkerApp(ServiceApp):

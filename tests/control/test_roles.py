@@ -1,24 +1,16 @@
-"""The one table of roles and operations agrees with what the DSL, the topology and the
-worker's settings accept."""
+"""The roles of the table of operations are those a topology accepts (what each operation
+takes, and who reads it: tests/control/test_operations_table.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from omniflow.dsl.ops import BUILTIN, BUILTIN_ROLES
 from omniflow.errors import InvalidArgument
-from omniflow.workers import MODEL_OPERATIONS, ROLE_OPERATIONS, ROLES
+from omniflow.operations import OPERATIONS, ROLES
 
 
-def test_every_dsl_operation_is_one_a_role_serves() -> None:
-    served = {
-        (r, o)
-        for table in (ROLE_OPERATIONS, MODEL_OPERATIONS)
-        for r, ops in table.items()
-        for o in ops
-    }
-    assert set(BUILTIN) <= served, set(BUILTIN) - served
-    assert BUILTIN_ROLES == set(ROLES) == set(ROLE_OPERATIONS)
+def test_every_role_has_operations_and_every_operation_a_role() -> None:
+    assert {op.role for op in OPERATIONS} == set(ROLES)
 
 
 def test_a_topology_accepts_exactly_the_table_roles() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from omniflow.client import Client
 from omniflow.dsl import VType, Workflow
-from omniflow.dsl.ops import PHRASE_INPUT_CHARS
+from omniflow.operations import PHRASE_INPUT_CHARS
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from omniflow.api.common.v1 import common_pb2
-from omniflow.dsl import VType, Workflow
+from omniflow.dsl import Graph, VType, Workflow, register_operation
 from omniflow.errors import InvalidArgument
 from omniflow_services.gateway import audio
 from omniflow_services.gateway.backends import workflow_info
@@ -35,12 +35,25 @@ def _info(wf: Workflow) -> WorkflowInfo:
 
 
 def _spoken(rate: int | None = None) -> Workflow:
+    """omni_chat's shape: a spoken question is heard, a typed one passed on, then answered
+    in the chat so far."""
     wf = Workflow("spoken")
     audio_in = wf.input("audio", VType.BYTES, optional=True)
     text = wf.input("text", VType.TEXT, optional=True)
     history = wf.input("messages", VType.LIST, optional=True)
-    del audio_in, history
-    answer = wf.call("answer", "llm", "generate", prompt=text)
+
+    def heard(g: Graph) -> dict:
+        return {"said": g.call("asr", "encoder", "transcribe", audio=g.input("audio"))["text"]}
+
+    question = wf.switch(
+        "question",
+        cases=[("spoken", audio_in.present(), heard)],
+        default=lambda g: {"said": g.input("text")},
+        outputs={"said": VType.TEXT},
+        audio=audio_in,
+        text=text,
+    )
+    answer = wf.call("answer", "llm", "generate", prompt=question["said"], messages=history)
     params = {"sample_rate": rate} if rate else {}
     speak = wf.call("speak", "talker", "synthesize", text=answer["text"], params=params)
     wf.output("text", answer["text"])
@@ -96,9 +109,10 @@ def test_chat_turn_errors_name_the_message() -> None:
 
 def test_required_inputs_a_chat_cannot_give_are_named() -> None:
     wf = Workflow("needs")
-    wf.input("question", VType.TEXT)
-    wf.input("image", VType.MEDIA)
-    wf.output("echo", wf.call("a", "llm", "generate", prompt=wf.input("question"))["text"])
+    question = wf.input("question", VType.TEXT)
+    seen = wf.call("see", "encoder", "encode", image=wf.input("image", VType.MEDIA))
+    answer = wf.call("a", "llm", "generate", prompt=question, media=seen["items"])
+    wf.output("echo", answer["text"])
     info = _info(wf)
     turn = chat_turn([{"role": "user", "content": "hi"}], Recall(1.0))
     with pytest.raises(InvalidArgument, match="needs input 'image': send an image_url"):
@@ -115,6 +129,46 @@ def test_required_inputs_a_chat_cannot_give_are_named() -> None:
         chat_inputs(info, empty)
 
 
+def test_inputs_are_found_by_what_they_reach_not_by_name() -> None:
+    wf = Workflow("named-oddly")
+    ask = wf.input("zzz", VType.TEXT)
+    wf.input("text", VType.TEXT, optional=True)  # reaches nothing: gets nothing
+    past = wf.input("before", VType.LIST, optional=True)
+    wf.output("answer", wf.call("a", "llm", "generate", prompt=ask, messages=past)["text"])
+    info = _info(wf)
+    assert info.takes == {
+        "zzz": frozenset({"text"}),
+        "text": frozenset(),
+        "before": frozenset({"messages"}),
+    }
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    turn = chat_turn([*history, {"role": "user", "content": "and you?"}], Recall(1.0))
+    assert chat_inputs(info, turn) == {"zzz": "and you?", "before": history}
+
+
+def test_a_workflow_whose_inputs_do_not_say_is_a_400_naming_what_is_missing() -> None:
+    register_operation("echo", "upper", {"text": VType.TEXT}, {"text": VType.TEXT})
+    wf = Workflow("upper")
+    wf.output("text", wf.call("u", "echo", "upper", text=wf.input("question", VType.TEXT))["text"])
+    info = _info(wf)
+    turn = chat_turn([{"role": "user", "content": "hi"}], Recall(1.0))
+    with pytest.raises(InvalidArgument, match="needs input 'question', which a chat request"):
+        chat_inputs(info, turn)
+    with pytest.raises(
+        InvalidArgument,
+        match=r"workflow 'upper' has no input that takes the text: none of its inputs "
+        r"\(question\) reaches an input that takes it \(llm.generate prompt",
+    ):
+        image_inputs(info, "a cat", None, None)
+    two = Workflow("two")
+    for name in ("a", "b"):
+        two.output(
+            name, two.call(name, "llm", "generate", prompt=two.input(name, VType.TEXT))["text"]
+        )
+    with pytest.raises(InvalidArgument, match=r"'two' has 2 inputs that take the chat's text"):
+        chat_inputs(_info(two), turn)
+
+
 def test_answer_and_audio_outputs() -> None:
     info = _info(_spoken())
     assert answer_output(info) == "text"
@@ -129,18 +183,21 @@ def test_answer_and_audio_outputs() -> None:
 def test_image_inputs_and_outputs() -> None:
     wf = Workflow("draw")
     prompt = wf.input("prompt", VType.TEXT)
-    wf.input("width", VType.INT, optional=True)
-    wf.input("height", VType.INT, optional=True)
-    draw = wf.call("draw", "diffusion", "generate_image", prompt=prompt)
+    w = wf.input("w", VType.INT, optional=True)
+    h = wf.input("h", VType.INT, optional=True)
+    draw = wf.call("draw", "diffusion", "generate_image", prompt=prompt, width=w, height=h)
     wf.output("picture", draw["image"])
     wf.output("prompt_used", prompt)
     info = _info(wf)
-    assert image_inputs(info, "a cat", (32, 48), None) == {
-        "prompt": "a cat",
-        "width": 32,
-        "height": 48,
-    }
+    assert image_inputs(info, "a cat", (32, 48), None) == {"prompt": "a cat", "w": 32, "h": 48}
     assert image_inputs(info, "a cat", None, None) == {"prompt": "a cat"}
+    fixed = Workflow("fixed")  # inputs named width/height that reach no image size
+    fixed.input("width", VType.INT, optional=True)
+    fixed.input("height", VType.INT, optional=True)
+    pic = fixed.call("draw", "diffusion", "generate_image", prompt=fixed.input("p", VType.TEXT))
+    fixed.output("image", pic["image"])
+    with pytest.raises(InvalidArgument, match=r"^size: workflow 'fixed' sets its own image size"):
+        image_inputs(_info(fixed), "a cat", (32, 32), None)
     with pytest.raises(InvalidArgument, match=r"^seed: workflow 'draw' has no seed input"):
         image_inputs(info, "a cat", None, 3)
     assert image_outputs(info) == ("picture", "prompt_used")

@@ -5,15 +5,16 @@ See :mod:`omniflow.dsl.builder` for the API and ``examples/workflows/`` for exam
 """
 
 from omniflow.dsl.builder import Graph, Node, Ref, Retry, Workflow, const
-from omniflow.dsl.ops import OpSignature, register_operation, signature
+from omniflow.dsl.ops import register_operation, signature
 from omniflow.dsl.render import to_dot, to_mermaid
 from omniflow.dsl.validate import validate_graph
+from omniflow.operations import Operation
 from omniflow.values import Tokens, VType
 
 __all__ = [
     "Graph",
     "Node",
-    "OpSignature",
+    "Operation",
     "Ref",
     "Retry",
     "Tokens",

@@ -20,9 +20,10 @@ from typing import Any
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.convert import strategy_value
-from omniflow.dsl.ops import PHRASE_INPUT_CHARS, signature
+from omniflow.dsl.ops import signature
 from omniflow.dsl.validate import validate_graph
 from omniflow.errors import InvalidArgument
+from omniflow.operations import PHRASE_INPUT_CHARS
 from omniflow.values import VType, from_python, type_of
 
 Body = Callable[["Graph"], Mapping[str, "Ref"]]
@@ -62,7 +63,7 @@ class Ref:
         ``phrase_chars`` > 0 (a text output): the consumer gets whole phrases instead, each
         up to a sentence or phrase boundary or at most that many characters (a talker
         speaks each phrase while the llm writes the next). An llm's ``prompt`` always
-        gets phrases (at most ``ops.PHRASE_INPUT_CHARS`` when none is given): an llm
+        gets phrases (at most ``operations.PHRASE_INPUT_CHARS`` when none is given): an llm
         called once per token would answer every word on its own."""
         if self.source.WhichOneof("kind") != "node_output":
             raise InvalidArgument("only a node output can be streamed")
@@ -214,11 +215,12 @@ class Graph:
             sig = signature(role, operation)
         except InvalidArgument as exc:
             raise InvalidArgument(f"node {name!r}: {exc}") from None
+        types = sig.input_types
         for key in inputs:
-            if key not in sig.inputs:
+            if key not in types:
                 raise InvalidArgument(
                     f"node {name!r}: {role}.{operation} has no input {key!r}; inputs: "
-                    f"{', '.join(sig.inputs)}"
+                    f"{', '.join(types)}"
                 )
         node = self._add(
             name,
@@ -233,10 +235,10 @@ class Graph:
         for key in sig.phrased & inputs.keys():
             src = node.inputs[key]
             if src.streaming and not src.phrase_chars:
-                src.phrase_chars = PHRASE_INPUT_CHARS  # see OpSignature.phrased
+                src.phrase_chars = PHRASE_INPUT_CHARS  # see operations.Input.phrased
         if strategy:
             node.call.strategy = strategy_value(strategy)
-        node.input_ports.extend(_ports(sig.inputs, sig.optional))
+        node.input_ports.extend(_ports(types, sig.optional))
         node.outputs.extend(_ports(sig.outputs))
         return Node(self, node, sig.outputs)
 

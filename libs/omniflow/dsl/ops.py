@@ -1,4 +1,5 @@
-"""Signatures of operations: the built-in roles' and those a user registers.
+"""Operations a graph can call: the built-in ones of the table (``omniflow.operations``)
+and those a user registers for their own roles.
 
 The DSL checks node inputs and outputs against these when it builds a graph; the
 compiled graph carries the ports, so the coordinator validates without this table.
@@ -6,164 +7,50 @@ compiled graph carries the ports, so the coordinator validates without this tabl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from omniflow.errors import InvalidArgument
+from omniflow.operations import OPERATIONS, ROLES, Input, Operation, operation
 from omniflow.values import VType
-from omniflow.workers import ROLES
 
-
-@dataclass(frozen=True, slots=True)
-class OpSignature:
-    """Typed inputs and outputs of one operation of a role.
-
-    ``streams`` names the output whose partial values a Call streams (``text`` deltas of
-    ``llm.generate``, ``pcm`` chunks of ``talker.synthesize``); empty when unary.
-    ``phrased``: inputs that a streaming edge feeds whole phrases (sentences, at most
-    ``PHRASE_INPUT_CHARS``) even when it asks for no phrase length: a prompt cut at every
-    token would be one call per token, each on a word or two (``Ref.stream``).
-    """
-
-    role: str
-    operation: str
-    inputs: dict[str, VType]
-    outputs: dict[str, VType]
-    optional: frozenset[str] = field(default_factory=frozenset)
-    streams: str = ""
-    phrased: frozenset[str] = field(default_factory=frozenset)
-
-
-#: The longest phrase a ``phrased`` input gets from a ``.stream()`` edge with no length.
-PHRASE_INPUT_CHARS = 400
-
-BUILTIN: dict[tuple[str, str], OpSignature] = {
-    ("llm", "generate"): OpSignature(
-        "llm",
-        "generate",
-        # messages: the chat so far; media: an encoder's items (coordinator/conversation.py)
-        {"prompt": VType.TEXT, "session": VType.TEXT, "messages": VType.LIST, "media": VType.LIST},
-        {
-            "text": VType.TEXT,
-            "prompt_tokens": VType.INT,
-            "cached_tokens": VType.INT,
-            "completion_tokens": VType.INT,
-            "finish_reason": VType.TEXT,
-            # With param prefill_only: the prompt's stored pages, for another role to pull
-            # ({kv_namespace, block_hashes, token_ids, node}; generate_image input ``pages``).
-            "pages": VType.STRUCT,
-        },
-        optional=frozenset({"session", "messages", "media"}),
-        streams="text",
-        phrased=frozenset({"prompt"}),
-    ),
-    # media: media items; image, audio: a file's bytes (at least one of the three)
-    ("encoder", "encode"): OpSignature(
-        "encoder",
-        "encode",
-        {"media": VType.ANY, "image": VType.ANY, "audio": VType.ANY},
-        {"items": VType.LIST, "cache_hits": VType.INT},
-        optional=frozenset({"media", "image", "audio"}),
-    ),
-    # Served through Invoke by an encoder worker with a Whisper model: audio file bytes in.
-    # Optional: OpenAI's transcription fields; segments with timestamps: true.
-    ("encoder", "transcribe"): OpSignature(
-        "encoder",
-        "transcribe",
-        {
-            "audio": VType.ANY,
-            "prompt": VType.TEXT,
-            "temperature": VType.FLOAT,
-            "language": VType.TEXT,
-            "task": VType.TEXT,
-            "timestamps": VType.BOOL,
-            "seed": VType.INT,
-        },
-        {
-            "text": VType.TEXT,
-            "duration": VType.FLOAT,
-            "language": VType.TEXT,
-            "segments": VType.LIST,
-        },
-        optional=frozenset({"prompt", "temperature", "language", "task", "timestamps", "seed"}),
-    ),
-    # Served through Invoke by an embed worker: texts or token id lists in, vectors out
-    # (float32 little-endian bytes, count x dim).
-    ("embed", "embed"): OpSignature(
-        "embed",
-        "embed",
-        {"texts": VType.LIST, "token_ids": VType.LIST, "dimensions": VType.INT},
-        {
-            "embeddings": VType.BYTES,
-            "dim": VType.INT,
-            "count": VType.INT,
-            "prompt_tokens": VType.INT,
-        },
-        optional=frozenset({"texts", "token_ids", "dimensions"}),
-    ),
-    ("diffusion", "generate_image"): OpSignature(
-        "diffusion",
-        "generate_image",
-        # One of prompt (text, prefilled here) or pages (an llm's prefill_only pages, pulled);
-        # width/height/steps/seed inputs override the node's params of the same name.
-        {
-            "prompt": VType.TEXT,
-            "pages": VType.STRUCT,
-            "width": VType.INT,
-            "height": VType.INT,
-            "steps": VType.INT,
-            "seed": VType.INT,
-        },
-        {
-            "image": VType.ANY,
-            "width": VType.INT,
-            "height": VType.INT,
-            "prompt_tokens": VType.INT,
-            "cached_prompt_tokens": VType.INT,
-        },
-        optional=frozenset({"prompt", "pages", "width", "height", "steps", "seed"}),
-    ),
-    ("talker", "synthesize"): OpSignature(
-        "talker",
-        "synthesize",
-        {"text": VType.TEXT},
-        {"pcm": VType.BYTES, "wav": VType.BYTES, "sample_rate": VType.INT},
-        streams="pcm",
-    ),
-}
-
-BUILTIN_ROLES = frozenset(ROLES)
-
-_USER: dict[tuple[str, str], OpSignature] = {}
+_USER: dict[tuple[str, str], Operation] = {}
 
 
 def register_operation(
     role: str,
-    operation: str,
+    operation_name: str,
     inputs: dict[str, VType],
     outputs: dict[str, VType],
     *,
     optional: tuple[str, ...] = (),
     streams: str = "",
-) -> OpSignature:
+) -> Operation:
     """Declare an operation a worker serves through ``Invoke`` so that graphs can call it."""
-    if (role, operation) in BUILTIN:
-        raise InvalidArgument(f"{role}.{operation} is built in and cannot be redefined")
-    sig = OpSignature(role, operation, dict(inputs), dict(outputs), frozenset(optional), streams)
-    _USER[(role, operation)] = sig
-    return sig
+    if role in ROLES:
+        raise InvalidArgument(
+            f"{role}.{operation_name}: role {role!r} is built in and takes only the "
+            "operations of the table (omniflow.operations); register under a role of your own"
+        )
+    op = Operation(
+        role,
+        operation_name,
+        tuple(Input(n, t, optional=n in optional) for n, t in inputs.items()),
+        dict(outputs),
+        streams=streams,
+    )
+    _USER[(role, operation_name)] = op
+    return op
 
 
-def signature(role: str, operation: str) -> OpSignature:
-    """The signature of ``role.operation``; raises InvalidArgument naming what is known."""
-    sig = BUILTIN.get((role, operation)) or _USER.get((role, operation))
-    if sig is not None:
-        return sig
-    known = sorted({f"{r}.{o}" for r, o in (*BUILTIN, *_USER) if r == role})
+def signature(role: str, operation_name: str) -> Operation:
+    """The operation ``role.operation_name``; raises InvalidArgument naming what is known."""
+    op = operation(role, operation_name) or _USER.get((role, operation_name))
+    if op is not None:
+        return op
+    known = sorted(f"{o.role}.{o.name}" for o in (*OPERATIONS, *_USER.values()) if o.role == role)
     if known:
         raise InvalidArgument(
-            f"unknown operation {operation!r} of role {role!r}; known: {', '.join(known)}"
+            f"unknown operation {operation_name!r} of role {role!r}; known: {', '.join(known)}"
         )
-    roles = sorted({r for r, _ in (*BUILTIN, *_USER)})
+    roles = sorted({*ROLES, *(r for r, _ in _USER)})
     raise InvalidArgument(
         f"unknown role {role!r}; known: {', '.join(roles)} "
         "(declare a user operation with omniflow.dsl.register_operation)"

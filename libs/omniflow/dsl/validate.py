@@ -11,8 +11,8 @@ import re
 from collections.abc import Iterable
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
-from omniflow.dsl.ops import BUILTIN, BUILTIN_ROLES
 from omniflow.errors import InvalidArgument
+from omniflow.operations import OPERATIONS, ROLES, operation
 from omniflow.values import VType, compatible, to_python, type_of
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
@@ -144,8 +144,8 @@ def _check_node(node: cpb.Node, scope: _Scope) -> None:
         role, op = node.call.role, node.call.operation
         if not role or not op:
             raise _fail(path, "a call needs a role and an operation")
-        if role in BUILTIN_ROLES and (role, op) not in BUILTIN:
-            ops = sorted(o for r, o in BUILTIN if r == role)
+        if role in ROLES and operation(role, op) is None:
+            ops = sorted(o.name for o in OPERATIONS if o.role == role)
             raise _fail(path, f"role {role!r} has no operation {op!r}; accepted: {', '.join(ops)}")
         key = node.call.session_key_input
         if key and key not in node.inputs:

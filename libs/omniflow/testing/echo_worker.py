@@ -37,16 +37,17 @@ from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.config import CommonSettings, setting
 from omniflow.errors import InvalidArgument, NotFound, Unavailable
 from omniflow.kv.blocks import KVLayout, block_hashes
+from omniflow.operations import served
 from omniflow.rpc.server import Runtime, ServiceApp, serve_main
 from omniflow.testing.echo_engine import ComputeModel, EchoEngine
 from omniflow.values import from_python, to_python
-from omniflow.workers import ROLE_OPERATIONS, WORKER_SERVICE, worker_metadata
+from omniflow.workers import WORKER_SERVICE, worker_metadata
 
 log = logging.getLogger(__name__)
 
 INVOKE_OPS = ("upper", "classify", "critique", "sleep", "fail", "noop", "stats", "reset")
 # The built-in operations of the two roles this test worker can stand in for.
-BUILTIN_OPS = {role: ROLE_OPERATIONS[role] for role in ("llm", "talker")}
+BUILTIN_OPS = {role: served(role) for role in ("llm", "talker")}
 ECHO_LAYOUT = KVLayout("echo-bytes", 1, 1, 1, "float32", 16)
 
 

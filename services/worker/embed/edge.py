@@ -16,21 +16,17 @@ import numpy as np
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2
 from omniflow.errors import InvalidArgument
+from omniflow.operations import operation
 from omniflow.values import to_python
-from omniflow.workers import ROLE_OPERATIONS
 from omniflow_services.worker.embed.role import EmbedRole
 
-EMBED_OPERATIONS = ROLE_OPERATIONS["embed"]
+EMBED = operation("embed", "embed")
+assert EMBED is not None
 
 
 def _inputs(request: worker_pb2.InvokeRequest) -> tuple[list[str] | None, list[list[int]] | None]:
     given = dict(request.inputs)
-    unknown = set(given) - {"texts", "token_ids", "dimensions"}
-    if unknown:
-        raise InvalidArgument(
-            f"inputs {sorted(unknown)} are not taken by embed; accepted: texts, token_ids, "
-            "dimensions"
-        )
+    EMBED.check_input_names(given)
     if ("texts" in given) == ("token_ids" in given):
         raise InvalidArgument("embed takes one of inputs.texts or inputs.token_ids")
     if "texts" in given:
@@ -49,7 +45,7 @@ def _inputs(request: worker_pb2.InvokeRequest) -> tuple[list[str] | None, list[l
 async def invoke_embed(
     role: EmbedRole, request: worker_pb2.InvokeRequest
 ) -> worker_pb2.InvokeResponse:
-    """Serve ``embed`` (the one operation of ``EMBED_OPERATIONS``)."""
+    """Serve ``embed.embed`` (``EMBED``, its entry in the table of operations)."""
     texts, ids = _inputs(request)
     dims = to_python(request.inputs["dimensions"]) if "dimensions" in request.inputs else None
     if dims is not None:

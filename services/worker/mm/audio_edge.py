@@ -21,15 +21,16 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2
 from omniflow.errors import InvalidArgument
 from omniflow.kv.tensor_client import TensorClient
-from omniflow.values import Tokens, from_python, to_python
-from omniflow.workers import MODEL_OPERATIONS
+from omniflow.operations import operation
+from omniflow.values import Tokens, VType, from_python, to_python
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.mm import audio_metrics
 from omniflow_services.worker.mm.media import AUDIO, MediaInput
 from omniflow_services.worker.mm.whisper_decode import TranscribeOptions
 
-# The encoder's Invoke operations (the one table of roles): what this edge serves.
-AUDIO_OPERATIONS = MODEL_OPERATIONS["encoder"]
+# What this edge serves: its entry in the table of operations names the inputs it reads.
+TRANSCRIBE = operation("encoder", "transcribe")
+assert TRANSCRIBE is not None
 _ACCEPTED = "the audio file's bytes (bytes_value, a media item or a tensor_ref)"
 
 
@@ -56,23 +57,13 @@ async def _audio_bytes(
     return np.ascontiguousarray(raw).reshape(-1).view(np.uint8).tobytes()
 
 
-_OPTIONS = {
-    "prompt": str,
-    "temperature": float,
-    "language": str,
-    "task": str,
-    "timestamps": bool,
-    "seed": int,
-}
+_PYTHON = {VType.TEXT: str, VType.FLOAT: float, VType.BOOL: bool, VType.INT: int}
+# The optional inputs are TranscribeOptions' fields, of the table's kinds.
+_OPTIONS = {i.name: _PYTHON[i.kind] for i in TRANSCRIBE.inputs if i.optional}
 
 
 def _options(inputs: dict[str, common_pb2.Value]) -> TranscribeOptions:
-    unknown = set(inputs) - {"audio", *_OPTIONS}
-    if unknown:
-        raise InvalidArgument(
-            f"inputs {sorted(unknown)} are not taken by transcribe; accepted: audio, "
-            + ", ".join(_OPTIONS)
-        )
+    TRANSCRIBE.check_input_names(inputs)
     given = {}
     for name, kind in _OPTIONS.items():
         if name in inputs:
@@ -90,7 +81,7 @@ async def invoke_audio(
     request: worker_pb2.InvokeRequest,
     tensors: Callable[[], Awaitable[TensorClient]],
 ) -> worker_pb2.InvokeResponse:
-    """Serve ``request.operation`` (one of ``AUDIO_OPERATIONS``)."""
+    """Serve ``encoder.transcribe`` (``TRANSCRIBE``)."""
     enc = core.require_mm("encoder").encoder
     assert enc is not None
     inputs = dict(request.inputs)
