@@ -28,11 +28,11 @@ from omniflow.operations import (
     served,
 )
 from omniflow.rpc.server import ServiceHost
-from omniflow.testing.echo_worker import BUILTIN_OPS
 from omniflow_services.coordinator.caller import GrpcWorkerCaller, image_request
 from omniflow_services.coordinator.calls import CallRequest, Target
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
+from omniflow_services.worker.echo.role import STANDS_IN_FOR
 from omniflow_services.worker.server import INVOKE, WorkerApp, WorkerServicer
 
 register_operation("echo", "upper", {"text": VType.TEXT}, {"text": VType.TEXT})
@@ -45,14 +45,16 @@ _SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
 
 def _served_by_edge() -> set[tuple[str, str]]:
     """(role, operation) of everything the worker edge serves: what each role's core
-    advertises with its model loaded (and one that transcribes), and the Invoke table."""
+    advertises with its model loaded, and the Invoke table (the echo TEST engine's own
+    operations are user operations of its test role ``echo``, not built in)."""
     got: set[tuple[str, str]] = set(INVOKE)
     base = load_settings(WorkerSettings, env={})
     for role in ROLES:
         core = WorkerCore(dataclasses.replace(base, role=role))
         core.model = "loaded"  # what the role serves once a model is in (no engine needed)
         got |= {(role, op) for op in core.operations}  # no engine: no sampling features
-    got |= {(role, op) for role, ops in BUILTIN_OPS.items() for op in ops}
+    # The echo engine serves the operations of the roles it stands in for.
+    got |= {(role, op) for role in STANDS_IN_FOR for op in served(role)}
     return got
 
 
