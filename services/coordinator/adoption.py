@@ -20,19 +20,19 @@ from omniflow.errors import OmniflowError
 from omniflow_services.coordinator import metrics
 from omniflow_services.coordinator.limits import call_roles
 from omniflow_services.coordinator.live import LiveRun, now_ms
+from omniflow_services.coordinator.run_keys import ACTIVE_KEY, events_key, id_of, run_key
 
 if TYPE_CHECKING:
     from omniflow_services.coordinator.runs import RunManager
 
 log = logging.getLogger(__name__)
 
-ACTIVE_KEY = "omniflow:runs:active"
 TERMINAL = (cpb.RUN_STATE_SUCCEEDED, cpb.RUN_STATE_FAILED, cpb.RUN_STATE_CANCELLED)
 MAX_RESUMES = 1  # a run that kills its coordinators is not run a third time
 
 # Claim an orphaned run: only if the entry still names the dead owner and (unless it is
 # the claimant itself, restarted) that owner's lease is still missing.
-# KEYS: active set, the owner's lease. ARGV: run id, owner, claimant.
+# KEYS: active set, the owner's lease. ARGV: run name (``run_keys``), owner, claimant.
 CLAIM = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 if ARGV[2] ~= ARGV[3] and redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
@@ -45,10 +45,6 @@ def lease_key(owner: str) -> str:
     return f"omniflow:coordinator:{owner}:lease"
 
 
-def run_key(run_id: str) -> str:
-    return f"omniflow:run:{run_id}"
-
-
 async def recover(m: RunManager, confirm: bool = False) -> int:
     """Adopt the active runs whose coordinator is gone (resume or fail each); returns
     how many.
@@ -59,22 +55,22 @@ async def recover(m: RunManager, confirm: bool = False) -> int:
     active = await m.redis.hgetall(ACTIVE_KEY)
     failed = resumed = 0
     suspects: set[tuple[str, str]] = set()
-    for raw_id, raw_owner in active.items():
-        run_id, owner = raw_id.decode(), raw_owner.decode()
-        if run_id in m.live or run_id in m.unrecorded:
+    for raw_name, raw_owner in active.items():
+        name, owner = raw_name.decode(), raw_owner.decode()  # a run's name: see run_keys
+        if name in m.live or name in m.unrecorded:
             continue
         if owner != m.owner_id:
             if await m.redis.exists(lease_key(owner)):
                 continue
-            if confirm and (run_id, owner) not in m.suspects:
-                suspects.add((run_id, owner))
+            if confirm and (name, owner) not in m.suspects:
+                suspects.add((name, owner))
                 continue
-        if not await m.claim(keys=[ACTIVE_KEY, lease_key(owner)], args=[run_id, owner, m.owner_id]):
+        if not await m.claim(keys=[ACTIVE_KEY, lease_key(owner)], args=[name, owner, m.owner_id]):
             continue  # another coordinator adopted it, or its owner came back
-        if await _resume(m, run_id, owner):
+        if await _resume(m, name, owner):
             resumed += 1
             continue
-        await _fail(m, run_id, owner)
+        await _fail(m, name, owner)
         failed += 1
     m.suspects = suspects
     if failed or resumed:
@@ -82,12 +78,13 @@ async def recover(m: RunManager, confirm: bool = False) -> int:
     return failed + resumed
 
 
-async def _resume(m: RunManager, run_id: str, owner: str) -> bool:
+async def _resume(m: RunManager, name: str, owner: str) -> bool:
     """Run an adopted run again from its recorded inputs under the same id; False
     when it cannot be (the caller then fails it)."""
     if not m.resume_orphans or len(m.live) >= m.max_runs:
         return False
-    key = run_key(run_id)
+    run_id = id_of(name)
+    key = run_key(name)
     data = await m.redis.get(key)
     if data is None:
         return False  # never flushed: its inputs are not recorded
@@ -118,7 +115,8 @@ async def _resume(m: RunManager, run_id: str, owner: str) -> bool:
     done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     done.set_result(None)
     live.registered = done  # the claim is its active entry
-    m.live[run_id] = live
+    live.key = name
+    m.live[name] = live
     metrics.run_started()
     span = telemetry.tracer().start_span(f"run {graph.name} (resumed)")
     span.set_attribute("omniflow.run_id", run_id)
@@ -153,20 +151,21 @@ async def _when_served(
     await m._execute(live, graph, values, graph.default_deadline_ms, span, {})
 
 
-async def _fail(m: RunManager, run_id: str, owner: str) -> None:
-    data = await m.redis.get(run_key(run_id))
+async def _fail(m: RunManager, name: str, owner: str) -> None:
+    run_id = id_of(name)
+    data = await m.redis.get(run_key(name))
     run = cpb.Run()
     if data is not None:
         run.ParseFromString(data)
     if run.state not in TERMINAL:
         reason = f"interrupted: coordinator {owner} restarted or died while the run was in progress"
         run.state, run.error, run.finished_unix_ms = cpb.RUN_STATE_FAILED, reason, now_ms()
-        seq = await m.redis.llen(f"{run_key(run_id)}:events")
+        seq = await m.redis.llen(events_key(name))
         ev = cpb.RunEvent(run_id=run_id, seq=seq + 1, unix_ms=now_ms())
         ev.run_finished.state, ev.run_finished.error = cpb.RUN_STATE_FAILED, reason
         async with m.redis.pipeline(transaction=True) as pipe:
-            pipe.set(run_key(run_id), run.SerializeToString(), ex=int(m.run_ttl_s))
-            pipe.rpush(f"{run_key(run_id)}:events", ev.SerializeToString())
-            pipe.expire(f"{run_key(run_id)}:events", int(m.run_ttl_s))
+            pipe.set(run_key(name), run.SerializeToString(), ex=int(m.run_ttl_s))
+            pipe.rpush(events_key(name), ev.SerializeToString())
+            pipe.expire(events_key(name), int(m.run_ttl_s))
             await pipe.execute()
-    await m.redis.hdel(ACTIVE_KEY, run_id)
+    await m.redis.hdel(ACTIVE_KEY, name)

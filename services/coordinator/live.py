@@ -21,6 +21,7 @@ class LiveRun:
 
     def __init__(self, run: cpb.Run) -> None:
         self.run = run
+        self.key = run.run_id  # its name in the run store (``run_keys``): id and tenant
         self.events: list[cpb.RunEvent] = []
         self.flushed = 0
         self.flush_lock = asyncio.Lock()

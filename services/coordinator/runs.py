@@ -1,10 +1,11 @@
 """Runs: submission with a bounded number in progress, live events, records in Redis.
 
-Key layout (Redis):
+Key layout (Redis; a run's keys carry its tenant: ``name`` is its id in its tenant's
+namespace, see ``run_keys``):
 
-- ``omniflow:run:{id}``: the ``Run`` record, serialized; rewritten as the run moves.
-- ``omniflow:run:{id}:events``: a list of serialized ``RunEvent``, in sequence order.
-- ``omniflow:runs:active``: hash run id → id of the coordinator running it.
+- ``omniflow:run:{name}``: the ``Run`` record, serialized; rewritten as the run moves.
+- ``omniflow:run:{name}:events``: a list of serialized ``RunEvent``, in sequence order.
+- ``omniflow:runs:active``: hash run name → id of the coordinator running it.
 - ``omniflow:coordinator:{id}:lease``: present (with a TTL) while that coordinator lives.
 
 Events are kept in memory while a run is live and flushed to Redis in small batches
@@ -55,8 +56,8 @@ from omniflow.errors import (
 )
 from omniflow.security import policy
 from omniflow.values import VType, check_type, from_python, to_python
-from omniflow_services.coordinator import adoption, metrics
-from omniflow_services.coordinator.adoption import ACTIVE_KEY, lease_key, run_key
+from omniflow_services.coordinator import adoption, metrics, run_keys
+from omniflow_services.coordinator.adoption import lease_key
 from omniflow_services.coordinator.caller import node_overrides
 from omniflow_services.coordinator.calls import (
     PickAhead,
@@ -73,6 +74,7 @@ from omniflow_services.coordinator.executor import (
 )
 from omniflow_services.coordinator.limits import RunLimits, check_inputs_size, check_run_id
 from omniflow_services.coordinator.live import LiveRun, now_ms
+from omniflow_services.coordinator.run_keys import ACTIVE_KEY, events_key, run_key, run_name
 
 log = logging.getLogger(__name__)
 
@@ -175,13 +177,13 @@ class RunManager:
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(self.flush_interval_s)
-            for run_id, (live, finished) in list(self.unrecorded.items()):
+            for name, (live, finished) in list(self.unrecorded.items()):
                 try:
                     await self._flush(live, finished)
                 except Exception:
                     break  # Redis still away: the next period tries again
-                del self.unrecorded[run_id]
-                log.info("run %s: its failed record is written now", run_id)
+                del self.unrecorded[name]
+                log.info("run %s: its failed record is written now", live.run.run_id)
             for live in list(self.live.values()):
                 if live.flushed < len(live.events):
                     try:
@@ -195,16 +197,16 @@ class RunManager:
         async with live.flush_lock:  # the periodic and the final flush never interleave
             if live.closed:
                 return  # a periodic flush that waited for the final one: nothing to add
-            key = run_key(live.run.run_id)
+            key = run_key(live.key)
             pending = live.events[live.flushed :]
             if last is not None and not (pending and pending[-1] is last):
                 pending.append(last)  # not yet published (an unrecorded run's already is)
             await self._write(
-                keys=[key, f"{key}:events", ACTIVE_KEY],
+                keys=[key, events_key(live.key), ACTIVE_KEY],
                 args=[
                     live.record().SerializeToString(),
                     int(self.run_ttl_s) if last is not None else 0,
-                    live.run.run_id,
+                    live.key,
                     live.flushed,
                     *[e.SerializeToString() for e in pending],
                 ],
@@ -262,16 +264,17 @@ class RunManager:
     ) -> str:
         """Start a run; returns its id at once. RESOURCE_EXHAUSTED when at the limit (of
         every run, or of the caller's tenant). ``node_params``: see ``node_overrides``."""
+        tenant = self.caller_tenant()
         if run_id:
             check_run_id(run_id)
-        if run_id and (run_id in self.live or await self._known(run_id)):
-            return run_id  # idempotent resubmission (a client failing over resubmits)
+            name = run_name(tenant, run_id)
+            if name in self.live or await run_keys.known(self.redis, name):
+                return run_id  # idempotent resubmission (a client failing over resubmits)
         if len(self.live) >= self.max_runs:
             raise ResourceExhausted(
                 f"{len(self.live)} runs in progress, the limit is {self.max_runs} "
                 "(OMNIFLOW_COORDINATOR_MAX_RUNS); retry later"
             )
-        tenant = self._tenant()
         share = self.bounds.tenant_max_runs
         if tenant and share and self.tenant_runs.get(tenant, 0) >= share:
             raise ResourceExhausted(
@@ -297,11 +300,11 @@ class RunManager:
                 values = self._check_inputs(graph, inputs)
                 node_overrides(graph, node_params or {})  # checked before the run starts
                 run_id = run_id or uuid.uuid4().hex
-                if run_id in self.live:
+                if run_name(tenant, run_id) in self.live:
                     self._release(early)
                     span.end()
                     return run_id  # the same id submitted twice at once
-                live = self._start(graph, inputs, values, deadline_ms, run_id, span, early)
+                live = self._start(graph, inputs, values, deadline_ms, run_id, span, early, tenant)
                 for name, params in (node_params or {}).items():  # recorded for an adopter
                     live.run.node_params[name].CopyFrom(params)
                 live.tenant = tenant
@@ -321,13 +324,13 @@ class RunManager:
         return run_id
 
     @staticmethod
-    def _tenant() -> str:
+    def caller_tenant() -> str:
         """The caller's tenant, when the policy enforces one ("" : no share of its own)."""
         who = policy.current()
         return who.tenant if who.enforced else ""
 
     def _untrack(self, live: LiveRun) -> None:
-        self.live.pop(live.run.run_id, None)
+        self.live.pop(live.key, None)
         if live.tenant:
             left = self.tenant_runs.get(live.tenant, 0) - 1
             if left > 0:
@@ -335,15 +338,6 @@ class RunManager:
             else:
                 self.tenant_runs.pop(live.tenant, None)
             live.tenant = ""
-
-    async def _known(self, run_id: str) -> bool:
-        """Whether Redis knows the run: its record, or its active entry (a run whose
-        coordinator died before its first flush)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.exists(run_key(run_id))
-            pipe.hexists(ACTIVE_KEY, run_id)
-            record, active = await pipe.execute()
-        return bool(record or active)
 
     def _start(
         self,
@@ -354,8 +348,9 @@ class RunManager:
         run_id: str,
         span: trace.Span,
         early: dict[str, PickAhead],
+        tenant: str = "",
     ) -> LiveRun:
-        """Register and start a run (called inside its span's context)."""
+        """Register and start a run of ``tenant`` (called inside its span's context)."""
         run = cpb.Run(
             run_id=run_id,
             workflow=graph.name,
@@ -367,7 +362,8 @@ class RunManager:
         span.set_attribute("omniflow.run_id", run_id)
         run.trace_id = current_trace_id()
         live = LiveRun(run)
-        self.live[run_id] = live
+        live.key = run_name(tenant, run_id)
+        self.live[live.key] = live
         metrics.run_started()
         # The run starts while its active entry and first record are written (its first
         # Pick overlaps the Redis round trip); submit returns the id only once both are in
@@ -383,8 +379,8 @@ class RunManager:
 
     async def _register(self, live: LiveRun) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(ACTIVE_KEY, live.run.run_id, self.owner_id)
-            pipe.set(run_key(live.run.run_id), live.run.SerializeToString(), nx=True)
+            pipe.hset(ACTIVE_KEY, live.key, self.owner_id)
+            pipe.set(run_key(live.key), live.run.SerializeToString(), nx=True)
             await pipe.execute()
 
     def _release(self, early: dict[str, PickAhead]) -> None:
@@ -483,7 +479,7 @@ class RunManager:
         finished = live.event(
             run_finished=cpb.RunFinished(state=cpb.RUN_STATE_FAILED, error=reason)
         )
-        self.unrecorded[run.run_id] = (live, finished)
+        self.unrecorded[live.key] = (live, finished)
         return finished
 
     async def _final_flush(self, live: LiveRun, finished: cpb.RunEvent) -> None:
@@ -505,11 +501,13 @@ class RunManager:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    async def get(self, run_id: str) -> cpb.Run:
-        live = self.live.get(run_id) or self.unrecorded.get(run_id, (None,))[0]
+    async def get(self, run_id: str, tenant: str = "") -> cpb.Run:
+        """The record of ``tenant``'s run ``run_id`` (the tenant whose keys it is under)."""
+        name = await run_keys.resolve(self, tenant, run_id)
+        live = self.live.get(name) or self.unrecorded.get(name, (None,))[0]
         if live is not None:
             return live.record()
-        data = await self.redis.get(run_key(run_id))
+        data = await self.redis.get(run_key(name))
         if data is None:
             kept = f"finished runs are kept {self.run_ttl_s:.0f} s"
             raise NotFound(f"unknown run {run_id!r} ({kept})")
@@ -517,16 +515,19 @@ class RunManager:
         run.ParseFromString(data)
         return run
 
-    async def events(self, run_id: str, from_seq: int = 0) -> AsyncIterator[cpb.RunEvent]:
+    async def events(
+        self, run_id: str, from_seq: int = 0, tenant: str = ""
+    ) -> AsyncIterator[cpb.RunEvent]:
         """Every event with ``seq >= from_seq``, then live ones until the run finishes."""
-        live = self.live.get(run_id)
-        if live is None and run_id in self.unrecorded:
-            done, _ = self.unrecorded[run_id]
+        name = await run_keys.resolve(self, tenant, run_id)
+        live = self.live.get(name)
+        if live is None and name in self.unrecorded:
+            done, _ = self.unrecorded[name]
             for ev in done.events[max(from_seq - 1, 0) :]:  # RunFinished included
                 yield ev
             return
         if live is None:
-            async for ev in self._stored_events(run_id, from_seq):
+            async for ev in self._stored_events(name, from_seq):
                 yield ev
             return
         index = max(from_seq - 1, 0)
@@ -546,10 +547,10 @@ class RunManager:
         finally:
             live.listeners -= 1
 
-    async def _stored_events(self, run_id: str, from_seq: int) -> AsyncIterator[cpb.RunEvent]:
-        if not await self._known(run_id):
-            raise NotFound(f"unknown run {run_id!r}")
-        key = f"{run_key(run_id)}:events"
+    async def _stored_events(self, name: str, from_seq: int) -> AsyncIterator[cpb.RunEvent]:
+        if not await run_keys.known(self.redis, name):
+            raise NotFound(f"unknown run {run_keys.id_of(name)!r}")
+        key = events_key(name)
         start = max(from_seq - 1, 0)
         if start and start >= await self.redis.llen(key):
             # The caller saw more than was recorded (its coordinator died before a flush,
@@ -571,11 +572,11 @@ class RunManager:
                 return
             start += len(batch)
 
-    async def cancel(self, run_id: str, reason: str = "") -> int:
+    async def cancel(self, run_id: str, reason: str = "", tenant: str = "") -> int:
         """Cancel a live run (its in-flight calls are cancelled); returns the state."""
-        live = self.live.get(run_id)
+        live = self.live.get(await run_keys.resolve(self, tenant, run_id))
         if live is None:
-            return (await self.get(run_id)).state
+            return (await self.get(run_id, tenant)).state
         live.cancel_reason = f"cancelled: {reason}" if reason else "cancelled by the client"
         if live.task is not None:
             live.task.cancel()

@@ -2,6 +2,8 @@
 
 - ``omniflow:tenant:run:{run_id}`` → tenant, set once (``SET NX``) when the run is
   submitted; another tenant's run is NOT_FOUND for GetRun, StreamRunEvents, CancelRun.
+  The run's own keys carry its tenant too (``run_name``), so no key one tenant writes
+  can be read as, or break, a key of another tenant's run.
 - ``omniflow:tenant:workflow:{name}`` → tenant of the first registration; only that
   tenant or an admin registers new versions. A workflow with no owner, or one owned by
   the tenant "" (registered by an admin for everyone), is visible to every tenant.
@@ -34,6 +36,14 @@ def scoped_id(request_id: str) -> str:
     return f"{len(tenant)}:{tenant}/{request_id}"
 
 
+def run_name(tenant: str, run_id: str) -> str:
+    """The name a run's Redis keys carry: its id in its tenant's namespace (the tenant's
+    length and name first, as ``scoped_id``; run ids hold no ``:`` or ``/``, so no name of
+    one tenant is, or starts, a name of another). Tenant "" (admins, services, auth off)
+    keeps the plain id: the layout every run had before keys carried tenants."""
+    return f"{len(tenant)}:{tenant}/{run_id}" if tenant else run_id
+
+
 def _text(raw: bytes | str | None) -> str | None:
     if raw is None:
         return None
@@ -60,14 +70,18 @@ class Tenancy:
             raise PermissionDenied(f"run id {run_id!r} is taken; submit without a run id")
         return run_id  # the same tenant resubmitting (failover): idempotent
 
-    async def check_run(self, run_id: str) -> None:
-        """NotFound unless the run belongs to the caller's tenant (or the caller is admin)."""
+    async def check_run(self, run_id: str) -> str:
+        """The tenant whose run ``run_id`` is (its keys' namespace): NotFound unless it is
+        the caller's own; an admin reaches any tenant's run ("" with auth off)."""
         who = policy.current()
-        if not who.enforced or "admin" in who.roles:
-            return
+        if not who.enforced:
+            return ""
         owner = _text(await self.redis.get(RUN_KEY.format(run_id)))
+        if "admin" in who.roles:
+            return owner or ""
         if owner is None or owner != who.tenant:
             raise NotFound(f"run {run_id!r} not found")
+        return owner
 
     async def _workflow_owner(self, name: str) -> str | None:
         return _text(await self.redis.get(WORKFLOW_KEY.format(name)))
