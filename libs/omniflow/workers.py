@@ -31,6 +31,16 @@ class WorkerRecord:
     operations: tuple[str, ...] = ()
     metadata: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
 
+    @property
+    def namespace_id(self) -> bytes:
+        """``kv_namespace`` as its 16 bytes (discovery metadata is a text map, so it keeps the
+        hex there); ``b""`` when the worker has none or registered something else."""
+        try:
+            raw = bytes.fromhex(self.kv_namespace)
+        except ValueError:
+            return b""
+        return raw if len(raw) == 16 else b""
+
 
 def worker_metadata(
     role: str, node: str, model: str, kv_namespace: str, operations: tuple[str, ...]

@@ -31,6 +31,7 @@ from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.errors import InvalidArgument, OmniflowError
 from omniflow.finish import finish_from_proto
+from omniflow.kv.wire import namespace_fields, parse_namespace, read_namespace, set_namespace
 from omniflow.operations import operation as table_op
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
@@ -114,10 +115,15 @@ def image_request(req: CallRequest) -> worker_pb2.GenerateImageRequest:
                 f"input 'pages' is {type(pages).__name__}; accepted: the 'pages' output of an "
                 "llm generate call with param prefill_only"
             )
+        text = str(pages.get("kv_namespace", ""))  # the value keeps the hex a person reads
+        try:
+            ns_fields = namespace_fields(parse_namespace(text), "kv_namespace")
+        except InvalidArgument:
+            ns_fields = {"kv_namespace": text}  # the worker refuses it, naming the field
         msg.prompt_pages.CopyFrom(
             worker_pb2.PromptPages(
                 token_ids=common_pb2.TokenIds(ids=list(pages.get("token_ids") or ())),
-                kv_namespace=str(pages.get("kv_namespace", "")),
+                **ns_fields,
                 block_hashes=list(pages.get("block_hashes") or ()),
             )
         )
@@ -206,7 +212,7 @@ class GrpcWorkerCaller:
         ):
             hints = await self.hinter.hints(req.role, llm_prompt(prompt, req.params))
             if hints is not None:
-                msg.kv_namespace = hints.namespace
+                set_namespace(msg, hints.namespace, "kv_namespace")
                 msg.block_hashes.extend(hints.block_hashes)
                 msg.prompt_tokens = hints.prompt_tokens
         pages = req.inputs.get("pages")
@@ -220,7 +226,7 @@ class GrpcWorkerCaller:
             # The node holding the producing call's stored pages wins (router kv_aware).
             paged = pages_hints(pages)
             if paged is not None:
-                msg.kv_namespace = paged.namespace
+                set_namespace(msg, paged.namespace, "kv_namespace")
                 msg.block_hashes.extend(paged.block_hashes)
                 msg.prompt_tokens = paged.prompt_tokens
                 # Its agent acknowledged them before the reply: count them before the index
@@ -230,7 +236,9 @@ class GrpcWorkerCaller:
         if req.strategy == 0:
             self._role_default[req.role] = reply.strategy
         w = reply.worker
-        return Target(w.worker_id, w.address, w.kv_namespace, w.node)
+        return Target(
+            w.worker_id, w.address, read_namespace(w, "kv_namespace", optional=True), w.node
+        )
 
     async def invoke(
         self, target: Target, req: CallRequest, on_chunk: ChunkSink | None
@@ -304,7 +312,7 @@ class GrpcWorkerCaller:
                 out["completion_tokens"] = chunk.usage.completion_tokens
                 if chunk.prompt_token_ids.ids:  # prefill_only: the stored pages, to pull
                     out["pages"] = {
-                        "kv_namespace": target.kv_namespace,
+                        "kv_namespace": target.kv_namespace.hex(),
                         "block_hashes": list(chunk.prompt_block_hashes),
                         "token_ids": Tokens(chunk.prompt_token_ids.ids),
                         "node": target.node,  # whose kv-agent acknowledged storing them

@@ -36,7 +36,7 @@ class Target:
 
     worker_id: str
     address: str
-    kv_namespace: str = ""  # hex; the prompt's ids are sent when they are of this namespace
+    kv_namespace: bytes = b""  # the prompt's ids are sent when they are of this namespace
     node: str = ""  # its node (whose kv-agent it writes its pages through to)
 
 

@@ -37,6 +37,7 @@ from prometheus_client import Counter
 from omniflow.chat import Preprocessor, acached_preprocessor
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import DEFAULT_PAGE_SIZE, check_hashes
+from omniflow.kv.wire import parse_namespace
 from omniflow.prompt_size import text_bytes
 from omniflow.security.kvsalt import kv_salt
 from omniflow.security.policy import caller_tenant
@@ -66,10 +67,10 @@ CACHE_ENTRIES = 256
 
 @dataclass(frozen=True, slots=True)
 class KVHints:
-    """What a Pick carries for kv_aware: the namespace (hex), the prompt's block hashes;
+    """What a Pick carries for kv_aware: the namespace (16 bytes), the prompt's block hashes;
     and the prompt's ids, which the worker of that namespace gets instead of the prompt."""
 
-    namespace: str
+    namespace: bytes
     block_hashes: tuple[bytes, ...]
     prompt_tokens: int
     token_ids: tuple[int, ...] = ()
@@ -157,8 +158,8 @@ class KVHinter:
         KV_HINTS.labels(result).inc()
         return hints
 
-    async def prepared(self, role: str, prompt: Prompt, namespace: str) -> KVHints | None:
-        """The prompt's ids for a worker of ``role`` serving ``namespace`` (hex); None when
+    async def prepared(self, role: str, prompt: Prompt, namespace: bytes) -> KVHints | None:
+        """The prompt's ids for a worker of ``role`` serving ``namespace``; None when
         they cannot be computed here (the worker then gets the prompt itself). Not counted:
         the Pick of the same call was. The same ids as the Pick's hints (one cache)."""
         if not namespace:
@@ -170,7 +171,9 @@ class KVHinter:
             return None
         return hints
 
-    async def _hints(self, role: str, prompt: Prompt, namespace: str) -> tuple[str, KVHints | None]:
+    async def _hints(
+        self, role: str, prompt: Prompt, namespace: bytes
+    ) -> tuple[str, KVHints | None]:
         if text_bytes(prompt.text) + text_bytes(prompt.system) > self.max_prompt_bytes:
             return TOO_LARGE, None
         model = self._model(role, await self._role_workers(role), namespace)
@@ -192,7 +195,7 @@ class KVHinter:
         else:
             ids = await pre.aencode_text(prompt.text)
         hashes = tuple(pre.block_hashes(ids))
-        hints = KVHints(model.namespace.hex(), hashes, len(ids), tuple(ids))
+        hints = KVHints(model.namespace, hashes, len(ids), tuple(ids))
         if len(self._cache) >= CACHE_ENTRIES:
             del self._cache[next(iter(self._cache))]
         self._cache[key] = hints
@@ -218,13 +221,13 @@ class KVHinter:
         self._listed_at = time.monotonic()
 
     @staticmethod
-    def _model(role: str, workers: list[WorkerRecord], namespace: str = "") -> _Model | None:
+    def _model(role: str, workers: list[WorkerRecord], namespace: bytes = b"") -> _Model | None:
         """The model of ``namespace``, or the namespace most of the role's workers serve
         (one Pick carries one)."""
-        by_ns: dict[str, list[WorkerRecord]] = {}
+        by_ns: dict[bytes, list[WorkerRecord]] = {}
         for w in workers:
-            if w.kv_namespace and w.model:
-                by_ns.setdefault(w.kv_namespace, []).append(w)
+            if w.namespace_id and w.model:
+                by_ns.setdefault(w.namespace_id, []).append(w)
         if namespace:
             members = by_ns.get(namespace)
             if not members:
@@ -236,7 +239,7 @@ class KVHinter:
             return None
         first = members[0]
         page = int(first.metadata.get("page_size", "") or DEFAULT_PAGE_SIZE)
-        return _Model(bytes.fromhex(ns), page, first.model)
+        return _Model(ns, page, first.model)
 
     async def _preprocessor(self, model: _Model) -> _Loaded:
         known = self._loaded.get(model)
@@ -278,6 +281,10 @@ def pages_hints(pages: Any) -> KVHints | None:
     ns, hashes, ids = pages.get("kv_namespace"), pages.get("block_hashes"), pages.get("token_ids")
     if not isinstance(ns, str) or not ns or not isinstance(hashes, list | tuple):
         return None
+    try:
+        namespace = parse_namespace(ns)  # the workflow value keeps the hex a person reads
+    except InvalidArgument:
+        return None  # the worker refuses it, naming the field
     if not all(isinstance(h, bytes) for h in hashes):
         return None
     try:
@@ -286,4 +293,4 @@ def pages_hints(pages: Any) -> KVHints | None:
         return None  # not 16-byte hashes: the worker refuses them, naming the field
     tokens = tuple(int(i) for i in ids) if isinstance(ids, list | tuple) else ()
     KV_HINTS.labels(PAGES).inc()
-    return KVHints(ns, tuple(hashes), len(tokens), tokens)
+    return KVHints(namespace, tuple(hashes), len(tokens), tokens)

@@ -29,6 +29,7 @@ from omniflow.discovery import Registry
 from omniflow.dsl.flow import chat_parts
 from omniflow.errors import NotFound, OmniflowError, Unavailable
 from omniflow.finish import finish_from_proto
+from omniflow.kv.wire import namespace_fields
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.values import from_python, to_python
@@ -151,7 +152,7 @@ class Backends:
         operation: str,
         *,
         strategy: str = "",
-        namespace: str = "",
+        namespace: bytes = b"",
         hashes: list[bytes] | None = None,
         prompt_tokens: int = 0,
         exclude: tuple[str, ...] = (),
@@ -160,7 +161,7 @@ class Backends:
             role=role,
             operation=operation,
             strategy=_strategy(strategy),  # type: ignore[arg-type]
-            kv_namespace=namespace,
+            **namespace_fields(namespace, "kv_namespace"),
             block_hashes=hashes or [],
             prompt_tokens=prompt_tokens,
             exclude_worker_ids=list(exclude),

@@ -80,7 +80,7 @@ class Prepared:
     sampling: SamplingParams
     token_ids: list[int] | None = None
     hashes: list[bytes] = field(default_factory=list)
-    namespace: str = ""
+    namespace: bytes = b""
     messages: list[tuple[str, list[str | MediaPart]]] | None = None
     pre: Preprocessor | None = None
     #: Workers picked ahead for choice indexes (see GatewayCore.prepick).
@@ -162,12 +162,8 @@ class GatewayCore:
         key = (worker.model, worker.kv_namespace, worker.metadata.get("page_size", ""))
         pre = self._pre.get(key)
         if pre is None:
-            try:
-                namespace = bytes.fromhex(worker.kv_namespace)
-            except ValueError:
-                namespace = b""
             page = int(key[2] or DEFAULT_PAGE_SIZE)
-            pre = await acached_preprocessor(self._folder(worker), namespace, page)
+            pre = await acached_preprocessor(self._folder(worker), worker.namespace_id, page)
             self._pre[key] = pre
         return pre
 
@@ -222,7 +218,7 @@ class GatewayCore:
         size = sum(len(m["content"] or "") for m in messages)
         ids, hashes = await _off_loop(size, _chat_ids, pre, messages, template or {})
         sampling = _for_prompt(sampling, workers, len(ids), pre)
-        return Prepared(model, workers, sampling, ids, hashes, workers[0].kv_namespace, pre=pre)
+        return Prepared(model, workers, sampling, ids, hashes, workers[0].namespace_id, pre=pre)
 
     async def prepare_prompt(
         self, model: str, prompt: str | list[int], sampling: SamplingParams
@@ -237,7 +233,7 @@ class GatewayCore:
         else:
             ids, hashes = list(prompt), pre.block_hashes(prompt)
         sampling = _for_prompt(sampling, workers, len(ids), pre)
-        return Prepared(model, workers, sampling, ids, hashes, workers[0].kv_namespace, pre=pre)
+        return Prepared(model, workers, sampling, ids, hashes, workers[0].namespace_id, pre=pre)
 
     # ------------------------------------------------------------ generating
 

@@ -34,8 +34,8 @@ class WorkerCore:
         self.embed: EmbedRole | None = None  # the embed role's sentence-embedding model
 
     @property
-    def kv_namespace(self) -> str:
-        return self.llm.kv_namespace if self.llm else ""
+    def kv_namespace(self) -> bytes:
+        return self.llm.engine.layout.namespace if self.llm else b""
 
     @property
     def operations(self) -> tuple[str, ...]:
@@ -93,7 +93,7 @@ class WorkerCore:
             llm = await EngineRole.load(folder, config)
         await llm.warm_up()
         self.llm, self.model = llm, str(folder)
-        log.info("loaded %s (KV namespace %s)", folder, llm.kv_namespace)
+        log.info("loaded %s (KV namespace %s)", folder, self.kv_namespace.hex())
 
     def require_llm(self) -> LLMRole:
         if self.role not in ("llm", "diffusion"):

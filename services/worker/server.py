@@ -13,7 +13,7 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.errors import InvalidArgument
 from omniflow.finish import finish_to_proto
-from omniflow.kv.wire import layout_to_proto
+from omniflow.kv.wire import layout_to_proto, namespace_fields
 from omniflow.prompt_size import check_prompt_size, ids_bytes, text_bytes
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.status import unimplemented
@@ -176,7 +176,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         layout = core.require_llm().engine.layout
         return worker_pb2.LoadModelResponse(
             model=core.model,
-            kv_namespace=core.kv_namespace,
+            **namespace_fields(core.kv_namespace, "kv_namespace"),
             kv_layout=layout_to_proto(layout),
         )
 
@@ -218,7 +218,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             address=rt.address if rt else "",
             node=rt.node if rt else "",
             model=core.model,
-            kv_namespace=core.kv_namespace,
+            **namespace_fields(core.kv_namespace, "kv_namespace"),
             operations=list(core.operations),
             healthy=True,
         )
@@ -293,7 +293,8 @@ class WorkerApp(ServiceApp):
     def metadata(self) -> dict[str, str]:
         node = self.runtime.node if self.runtime else ""
         c = self.core
-        meta = worker_metadata(c.role, node, c.model, c.kv_namespace, c.operations)
+        # Discovery metadata is a text map: the namespace as its hex there.
+        meta = worker_metadata(c.role, node, c.model, c.kv_namespace.hex(), c.operations)
         # The page size the prompt's block hashes are cut at: the gateway and the
         # coordinator hash prompts for kv_aware picks and must cut them the same way.
         layout = getattr(getattr(c.llm, "engine", None), "layout", None)

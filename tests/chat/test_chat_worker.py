@@ -186,7 +186,7 @@ async def test_templated_chat_through_worker_and_coordinator(
         seen: list[str] = []
         proxy, port, channel = await recording_proxy(worker.address, seen)
         try:
-            namespace = (await listing())[0].kv_namespace
+            namespace = (await listing())[0].namespace_id
             caller = GrpcWorkerCaller(_no_router, hinter=hinter)
             for (question, system), got in direct.items():
                 params = {"chat": True, "max_tokens": NEW_TOKENS, "temperature": 0.0}
@@ -198,7 +198,7 @@ async def test_templated_chat_through_worker_and_coordinator(
                 assert out["prompt_tokens"] == got["usage"].prompt_tokens
             # A worker of another namespace gets the messages and templates them itself.
             req = CallRequest("d", "llm", "generate", {"prompt": QUESTIONS[0]}, params)
-            out = await caller.invoke(Target("p", f"127.0.0.1:{port}", "ab" * 16), req, None)
+            out = await caller.invoke(Target("p", f"127.0.0.1:{port}", b"\xab" * 16), req, None)
             assert out["text"] == direct[(QUESTIONS[0], True)]["text"]
             await caller.close()
         finally:

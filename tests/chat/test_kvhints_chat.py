@@ -42,8 +42,8 @@ async def test_chat_hints_are_the_templated_ids(tmp_path: Path):
     assert text is not None and list(text.token_ids) == pre.encode_text(QUESTION)
     assert text.block_hashes[0] != hints.block_hashes[0]
     # The worker's ids: the same cached computation, not counted as another Pick.
-    assert await hinter.prepared("llm", chat, NS) is hints
-    assert await hinter.prepared("llm", chat, "ab" * 16) is None  # another model's worker
+    assert await hinter.prepared("llm", chat, bytes.fromhex(NS)) is hints
+    assert await hinter.prepared("llm", chat, b"\xab" * 16) is None  # another model's worker
     assert hinter.counts == {kvhints.HINTED: 2}
     await hinter.close()
 

@@ -66,7 +66,7 @@ async def test_hints_of_a_tiny_model(tmp_path):
 
     hinter = KVHinter(workers)
     hints = await hinter.hints("llm", PROMPT_P)
-    assert hints is not None and hints.namespace == namespace
+    assert hints is not None and hints.namespace == bytes.fromhex(namespace)
     assert len(hints.block_hashes) == hints.prompt_tokens // 16 >= 4
     assert await hinter.hints("llm", "hi") is not None  # under a page: no hashes, counted
     assert hinter.counts == {kvhints.HINTED: 1, kvhints.SHORT: 1}

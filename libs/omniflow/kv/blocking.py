@@ -94,7 +94,6 @@ class AgentPageStore:
             raise InvalidArgument("agent_address (this node's kv-agent) is required")
         self.layout = layout
         self.namespace = layout.namespace
-        self.ns_hex = layout.namespace_hex
         self.index_address = index_address
         self.timeout_s = timeout_s
         self._loop = LoopThread("kv-page-store")

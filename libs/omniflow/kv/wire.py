@@ -78,6 +78,12 @@ def namespace_fields(namespace: bytes, field: str = "namespace") -> dict[str, An
     return {f"{field}_id": namespace, field: namespace.hex()}
 
 
+def set_namespace(msg: Any, namespace: bytes, field: str = "namespace") -> None:
+    """Set both namespace fields of ``msg`` (see ``namespace_fields``)."""
+    for name, value in namespace_fields(namespace, field).items():
+        setattr(msg, name, value)
+
+
 def read_namespace(msg: Any, field: str = "namespace", *, optional: bool = False) -> bytes:
     """The 16-byte namespace a message carries: ``<field>_id`` first, the deprecated hex
     ``<field>`` when that is empty (an old client). InvalidArgument for a malformed one, or

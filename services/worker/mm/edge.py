@@ -22,6 +22,7 @@ from omniflow.discovery import find_address
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import block_hashes
 from omniflow.kv.tensor_client import TensorClient
+from omniflow.kv.wire import read_namespace
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.rpc.server import Runtime
@@ -278,10 +279,11 @@ class MultimodalEdge:
 
     def _prompt_pages(self, llm: LLMRole, pages: worker_pb2.PromptPages) -> list[int]:
         layout = llm.engine.layout
-        if pages.kv_namespace and pages.kv_namespace != layout.namespace_hex:
+        namespace = read_namespace(pages, "kv_namespace", optional=True)
+        if namespace and namespace != layout.namespace:
             raise InvalidArgument(
-                f"prompt_pages.kv_namespace {pages.kv_namespace} is not this backbone's "
-                f"({layout.namespace_hex}); the pages come from another model"
+                f"prompt_pages.kv_namespace {namespace.hex()} is not this backbone's "
+                f"({layout.namespace.hex()}); the pages come from another model"
             )
         ids = list(pages.token_ids.ids)
         if not ids:
