@@ -49,6 +49,16 @@ REVISED_PROMPT_OUTPUTS = ("revised_prompt", "prompt_used", "final_prompt")
 HEARD_OUTPUT = "transcript"
 AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg"}
 _BINARY = (VType.ANY, VType.BYTES, VType.MEDIA)
+# The kinds of workflow input that can hold each chat part.
+_KINDS = {
+    "text": (VType.ANY, VType.TEXT),
+    "audio": _BINARY,
+    "image": _BINARY,
+    "messages": (VType.ANY, VType.LIST),
+    "width": (VType.ANY, VType.INT),
+    "height": (VType.ANY, VType.INT),
+    "seed": (VType.ANY, VType.INT),
+}
 
 
 class Recall:
@@ -182,7 +192,11 @@ def _takers(part: str) -> str:
 def taking(info: WorkflowInfo, part: str) -> str | None:
     """The input of ``info`` that takes the chat part ``part`` (None when none does); a 400
     when several do, as the gateway cannot tell which one the request means."""
-    ports = [p for p, _, _ in info.inputs if part in info.takes.get(p, ())]
+    ports = [
+        p
+        for p, vtype, _ in info.inputs
+        if part in info.takes.get(p, ()) and vtype in _KINDS.get(part, (VType.ANY,))
+    ]
     if len(ports) > 1:
         raise InvalidArgument(
             f"workflow {info.name!r} has {len(ports)} inputs that take the chat's {part} "

@@ -169,6 +169,20 @@ def test_a_workflow_whose_inputs_do_not_say_is_a_400_naming_what_is_missing() ->
         chat_inputs(_info(two), turn)
 
 
+def test_a_list_a_map_goes_over_takes_no_chat_text() -> None:
+    wf = Workflow("fan")  # examples/workflows/fanout.py's shape
+
+    def answer(g: Graph) -> dict:
+        return {"a": g.call("answer", "llm", "generate", prompt=g.input("item"))["text"]}
+
+    wf.output("answers", wf.map("each", over=wf.input("questions", VType.LIST), body=answer)["a"])
+    info = _info(wf)
+    assert info.takes == {"questions": frozenset()}
+    turn = chat_turn([{"role": "user", "content": "hi"}], Recall(1.0))
+    with pytest.raises(InvalidArgument, match="needs input 'questions', which a chat request"):
+        chat_inputs(info, turn)
+
+
 def test_answer_and_audio_outputs() -> None:
     info = _info(_spoken())
     assert answer_output(info) == "text"

@@ -2,9 +2,10 @@
 takes.
 
 A graph input reaches a call input when the call reads it directly, or through the bodies
-of switch, loop and map nodes (a body input is the node input of the same name), or
-through an output a body passes on unchanged (``{"transcript": g.input("text")}``) and a
-later call reads. Conditions read values but take none. The chat part of a call input is
+of switch, loop and map nodes (a body input is the node input of the same name; not a
+map's items, which are not the list itself), or through an output a body passes on
+unchanged (``{"transcript": g.input("text")}``) and a later call reads. Conditions read
+values but take none. The chat part of a call input is
 its ``chat`` in the table of operations (``omniflow.operations``): the gateway gives a
 chat's text to the workflow input that reaches, say, ``llm.generate``'s ``prompt``.
 """
@@ -55,6 +56,8 @@ def _walk(
             bodies = [node.map.body]
         else:
             continue
+        if kind == "map":  # the body gets the list's items, not the list an input holds
+            given[node.map.over] = set()
         for body in bodies:
             body_in = dict(given)
             passed = _walk(list(body.nodes), body.outputs, body_in, reach)
