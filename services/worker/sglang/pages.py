@@ -7,8 +7,11 @@ Keys. SGLang names a HiCache page by a string: ``get_hash_str`` chains
 (64 characters) to the storage backend, one key per page (sglang 0.5.x,
 ``python/sglang/srt/mem_cache/hicache_storage.py`` / ``utils.py``; requests without
 ``extra_key``/``cache_salt``). The Data Flow layer names a page by a 16-byte block hash in a
-namespace (DESIGN.md §4.1). ``KeyMapper`` maps one to the other:
-``xxh3_128("omniflow-sglang-key-v1" ‖ namespace ‖ key)``. The result is deterministic, so
+namespace (DESIGN.md §4.1). SGLang hands its storage backend only those keys (never the
+token ids), so ``KeyMapper`` derives the block hash from the key with the chain's own page
+hash (``omniflow.kv.blocks.hash_page``, the step ``extend_chain`` repeats): the first page
+of a chain in the namespace, holding no tokens, with ``"omniflow-sglang-key-v2" ‖ key`` as
+its extra key (SGLang's key already commits to every earlier page). The result is deterministic, so
 every SGLang worker of the same model and layout finds the pages any other one stored; it
 never equals a built-in engine block hash (those hash tokens, not SGLang keys), so the two
 engines share the cache infrastructure, not individual pages. ``sglang_page_keys`` computes
@@ -40,14 +43,13 @@ from typing import TypeVar
 
 import numpy as np
 import torch
-import xxhash
 
 from omniflow.errors import InvalidArgument
-from omniflow.kv.blocks import HASH_BYTES, KVLayout
+from omniflow.kv.blocks import HASH_BYTES, ROOT_PARENT, KVLayout, hash_page
 
 _T = TypeVar("_T")
 
-KEY_DOMAIN = b"omniflow-sglang-key-v1"
+KEY_DOMAIN = b"omniflow-sglang-key-v2"
 
 # Axis names of each SGLang host layout's flat page, after the leading K/V axis.
 HOST_LAYOUTS: dict[str, tuple[str, str, str, str]] = {
@@ -108,11 +110,8 @@ class KeyMapper:
     def block_hash(self, key: str) -> bytes:
         if not key:
             raise InvalidArgument("an SGLang page key must not be empty")
-        h = xxhash.xxh3_128()
-        h.update(KEY_DOMAIN)
-        h.update(self.namespace)
-        h.update(key.encode())
-        return h.digest()
+        # A page of no tokens whose extra key is the SGLang key, first in its chain.
+        return hash_page(ROOT_PARENT, self.namespace, (), KEY_DOMAIN + key.encode())
 
     def block_hashes(self, keys: Sequence[str]) -> list[bytes]:
         return [self.block_hash(k) for k in keys]
