@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import Any
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.coordinator.v1 import coordinator_pb2_grpc
+from omniflow.backoff import Backoff
 from omniflow.config import local_settings
 from omniflow.dsl.builder import Workflow
 from omniflow.errors import Unavailable
@@ -181,17 +181,17 @@ class Client:
     async def _retrying(self, attempt: Any, budget_s: float | None = None) -> Any:
         """``await attempt()`` until it succeeds, fails with anything but UNAVAILABLE,
         or ``budget_s`` (default ``failover_s``) is spent; fails over in between."""
-        end = time.monotonic() + (self.failover_s if budget_s is None else budget_s)
-        backoff = _BACKOFF_S
+        budget = self.failover_s if budget_s is None else budget_s
+        backoff = Backoff.within(budget, _BACKOFF_S, _MAX_BACKOFF_S)
         while True:
             try:
                 return await attempt()
             except Unavailable:
-                if time.monotonic() + backoff > end:
+                delay = backoff.next()
+                if delay is None:
                     raise
             await self._fail_over()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            await asyncio.sleep(delay)
 
     async def _call(self, method: str, request: Any, **kw: Any) -> Any:
         return await self._retrying(lambda: getattr(self._stub, method)(request, **kw))
@@ -273,8 +273,7 @@ class Client:
         the run is not adopted yet) resumes on a coordinator from the last event seen,
         for up to ``resume_s``."""
         next_seq = from_seq
-        end = time.monotonic() + self.resume_s
-        backoff = _BACKOFF_S
+        backoff = Backoff.within(self.resume_s, _BACKOFF_S, _MAX_BACKOFF_S)
         while True:
             req = cpb.StreamRunEventsRequest(run_id=run_id, from_seq=next_seq)
             try:
@@ -287,13 +286,13 @@ class Client:
             except Unavailable as exc:
                 error = exc
                 await self._fail_over()
-            if time.monotonic() + backoff > end:
+            delay = backoff.next()
+            if delay is None:
                 raise Unavailable(
                     f"run {run_id}: no coordinator reported its end within {self.resume_s:.0f}"
                     f" s ({error})"
                 )
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            await asyncio.sleep(delay)
 
     async def run(
         self,

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from omniflow.api.router.v1 import router_pb2_grpc
+from omniflow.backoff import Backoff
 from omniflow.errors import Unavailable
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
@@ -112,9 +113,8 @@ class FailoverStub:
     def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
         async def call(request: Any, **kw: Any) -> Any:
             pool = self._pool
-            loop = asyncio.get_running_loop()
-            end = loop.time() + WAIT_S  # a run's own deadline cancels the wait sooner
-            delay = BACKOFF_S
+            # A run's own deadline cancels the wait sooner.
+            backoff = Backoff.within(WAIT_S, BACKOFF_S, MAX_BACKOFF_S)
             tried: set[str] = set()
             while True:
                 address, stub = await pool.current()
@@ -127,10 +127,8 @@ class FailoverStub:
                         log.info("router %s unavailable (%s); failing over", address, exc)
                         continue
                     # Every router failed: wait for one to be back (a restart), then again.
-                    if loop.time() + delay > end:
+                    if not await backoff.wait():
                         raise
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, MAX_BACKOFF_S)
                     tried.clear()
 
         return call

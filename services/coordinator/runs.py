@@ -48,6 +48,7 @@ from opentelemetry import trace
 from omniflow import telemetry
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
+from omniflow.backoff import Backoff
 from omniflow.errors import (
     InvalidArgument,
     NotFound,
@@ -487,19 +488,17 @@ class RunManager:
             # Its entry must be in Redis before the final write removes it.
             with contextlib.suppress(Exception):
                 await live.registered
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.record_retry_s
-        delay = 0.05
+        backoff = Backoff.within(self.record_retry_s, 0.05, 1.0)
         while True:
             try:
                 await self._flush(live, finished)
                 return
             except Exception as exc:
-                if loop.time() + delay > end:
+                delay = backoff.next()
+                if delay is None:
                     raise
                 log.warning("run %s: final write failed (%s); retrying", live.run.run_id, exc)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
 
     async def get(self, run_id: str, tenant: str = "") -> cpb.Run:
         """The record of ``tenant``'s run ``run_id`` (the tenant whose keys it is under)."""

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
+from omniflow.backoff import Backoff
 from omniflow.discovery import Registry
 from omniflow.errors import Unavailable
 from omniflow.rpc.interceptors import TracedChannel
@@ -106,9 +107,8 @@ class Replicas(Generic[S]):
     async def call(self, fn: Callable[[S], Awaitable[T]], wait_s: float | None = None) -> T:
         """``await fn(stub)`` on a replica, failing over and waiting as the module says
         (``wait_s``: how long, instead of the setting; 0 tries each replica once)."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + (self.wait_s if wait_s is None else wait_s)
-        delay = BACKOFF_S
+        budget = self.wait_s if wait_s is None else wait_s
+        backoff = Backoff.within(budget, BACKOFF_S, MAX_BACKOFF_S)
         while True:
             try:
                 known = await self.addresses()
@@ -125,10 +125,8 @@ class Replicas(Generic[S]):
                         continue
                     self._last_good = address
                     return result
-            if loop.time() + delay > end:
+            if not await backoff.wait():
                 raise Unavailable(
                     f"no {self.service} answered (tried for {self.wait_s:.1f} s at most, "
                     f"OMNIFLOW_GATEWAY_FAILOVER_WAIT_S): {error}"
                 ) from error
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, MAX_BACKOFF_S)

@@ -33,10 +33,11 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from omniflow.backoff import Backoff
 from omniflow.cli import local
 from omniflow.localredis import spawn_redis
 
@@ -54,9 +55,13 @@ class _Watch:
     """What the supervisor tracks of one process between polls."""
 
     started: float  # monotonic time of the last (re)start
-    backoff_s: float = BACKOFF_S
+    backoff: Backoff = field(default_factory=lambda: Backoff(BACKOFF_S, MAX_BACKOFF_S))
+    backoff_s: float = 0.0  # the wait before its next restart (set from ``backoff``)
     down_since: float | None = None  # when it was first seen dead
     port_failures: int = 0  # restarts on the old port that died before serving
+
+    def __post_init__(self) -> None:
+        self.backoff_s = self.backoff.next() or BACKOFF_S
 
 
 def _reap() -> None:
@@ -132,7 +137,8 @@ class Supervisor:
             watch = self._watch.setdefault(proc.name, _Watch(now))
             if local._alive(proc):
                 if watch.down_since is None and now - watch.started > STABLE_S:
-                    watch.backoff_s = BACKOFF_S  # it stayed up: the next crash restarts fast
+                    watch.backoff.reset()  # it stayed up: the next crash restarts fast
+                    watch.backoff_s = watch.backoff.next() or BACKOFF_S
                 changed |= self._note_ready(proc, watch)
                 continue
             if watch.down_since is None:
@@ -156,7 +162,7 @@ class Supervisor:
             if self._full_since is not None:
                 log.warning("disk space again after %.0f s: restarting", now - self._full_since)
                 self._full_since, self._reported_full = None, -REPORT_EVERY_S
-            watch.backoff_s = min(watch.backoff_s * 2, MAX_BACKOFF_S)
+            watch.backoff_s = watch.backoff.next() or MAX_BACKOFF_S
             try:
                 self._restart(proc, env)
             except OSError as exc:  # no space for its log or ready file: wait, then retry

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 import consul
 import requests
 
+from omniflow.backoff import Backoff
 from omniflow.discovery.base import (
     DiscoveryError,
     KeepAlive,
@@ -298,7 +299,7 @@ class ConsulRegistry(Registry):
             pool=self._watch_pool,
         )
         yield last
-        backoff = 0.1
+        backoff = Backoff(0.1, 5.0)
         while not self._alive.closed:
             try:
                 new_index, current = await self._call(
@@ -311,11 +312,11 @@ class ConsulRegistry(Registry):
             except DiscoveryError as exc:
                 if isinstance(exc.__cause__, consul.ACLPermissionDenied):
                     raise
-                log.warning("consul watch of %s: %s; retrying in %.1fs", service, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                delay = backoff.next() or 5.0
+                log.warning("consul watch of %s: %s; retrying in %.1fs", service, exc, delay)
+                await asyncio.sleep(delay)
                 continue
-            backoff = 0.1
+            backoff.reset()
             # An index that goes backwards (agent restart, snapshot restore) restarts
             # the blocking sequence, as Consul's documentation asks.
             # An index below 1 is reset to 1, so that the next query still blocks.

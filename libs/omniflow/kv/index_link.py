@@ -22,6 +22,7 @@ from itertools import groupby
 import grpc
 
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
+from omniflow.backoff import Backoff
 from omniflow.errors import Unavailable
 from omniflow.kv.blocks import KVLayout
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind
@@ -176,14 +177,14 @@ class IndexLink:
     # --- the protocol -----------------------------------------------------------------------
 
     async def _run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)
         while True:
             try:
                 await self._connect()
                 await self._acquire()
                 await self._snapshot()
                 self.connected.set()
-                backoff = 0.1
+                backoff.reset()
                 await self._serve()
             except asyncio.CancelledError:
                 raise
@@ -191,12 +192,12 @@ class IndexLink:
                 log.info("kv index: %s; taking a new lease", exc)
             except (grpc.aio.AioRpcError, Unavailable) as exc:
                 text = f"{exc.code().name}: {exc.details()}" if hasattr(exc, "code") else str(exc)
-                log.warning("kv index unreachable (%s); retrying in %.1fs", text, backoff)
+                delay = backoff.next() or 2.0
+                log.warning("kv index unreachable (%s); retrying in %.1fs", text, delay)
                 self.connected.clear()
                 self._pending.clear()
                 self._drain()  # the snapshot after reconnecting covers these
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(delay)
             except Exception:
                 log.exception("kv index link failed; retrying")
                 self.connected.clear()
