@@ -13,7 +13,7 @@ from omniflow.errors import InvalidArgument
 
 def test_transcribe_signature_and_graph() -> None:
     sig = signature("encoder", "transcribe")
-    assert set(sig.inputs) - sig.optional == {"audio"} and sig.outputs["text"] == VType.TEXT
+    assert set(sig.input_types) - sig.optional == {"audio"} and sig.outputs["text"] == VType.TEXT
     # OpenAI's transcription fields are optional inputs; timed segments an output.
     assert sig.optional == {"prompt", "temperature", "language", "task", "timestamps", "seed"}
     assert sig.outputs["segments"] == VType.LIST
