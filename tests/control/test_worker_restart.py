@@ -22,7 +22,11 @@ from omniflow.client import Client
 from omniflow.dsl import VType, Workflow, register_operation
 
 # The worker's registration outlives it by about a second (TTL) when it is SIGKILLed.
-WORKER_ENV = {"OMNIFLOW_REGISTRATION_TTL_S": "1", "OMNIFLOW_ECHO_TOKEN_DELAY_MS": "300"}
+WORKER_ENV = {
+    "OMNIFLOW_REGISTRATION_TTL_S": "1",
+    "OMNIFLOW_ECHO_TOKEN_DELAY_MS": "300",
+    "OMNIFLOW_WORKER_ENGINE": "echo",  # ECHO is the worker with the echo TEST engine
+}
 
 
 def _lone() -> Workflow:
