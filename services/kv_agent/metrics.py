@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from omniflow import telemetry
 from omniflow.telemetry import Sample
@@ -26,6 +26,23 @@ TRANSFER_BYTES = Counter(
     "Bytes of KV pages moved agent to agent, by channel and direction",
     ["channel", "direction"],
 )
+
+
+NIXL_GRANTS = Counter(
+    "omniflow_kv_agent_nixl_grants_total",
+    "NIXL grants by outcome: issued, released (Unpin), lapsed (the pin's deadline)",
+    ["outcome"],
+)
+NIXL_GRANTED_SLOTS = Gauge(
+    "omniflow_kv_agent_nixl_granted_slots",
+    "Arena slots registered with NIXL now (under a live grant)",
+)
+
+
+def granted(outcome: str, slots: int) -> None:
+    """A NIXL grant issued (``slots`` registered) or ended (released or lapsed)."""
+    NIXL_GRANTS.labels(outcome).inc()
+    NIXL_GRANTED_SLOTS.inc(slots if outcome == "issued" else -slots)
 
 
 def transferred(channel: str, direction: str, pages: int, nbytes: int) -> None:

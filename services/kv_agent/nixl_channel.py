@@ -1,10 +1,13 @@
 """The NIXL (UCX) channel between agents: the puller READs remote arena slots in place.
 
-Each agent with ``nixl`` installed runs one NIXL agent and registers every host arena
-with it. A puller learns the source's NIXL metadata (``GetTransport``) and arena address
-(``GetArena``) over gRPC, pins the pages there (``LocatePages``), and READs the slots
-straight into slots it reserved in its own arena; the page checksums then decide what is
-kept. Every NIXL call runs on one thread of its own (the library is not async).
+Each agent with ``nixl`` installed runs one NIXL agent. It registers no arena up front: a
+puller learns the source's arena layout (``GetArena``) over gRPC and asks for a grant
+(``LocatePages`` with ``nixl_grant``, mutual TLS, kv-agents only): the source pins the
+pages, registers exactly their slots with NIXL and answers the NIXL metadata of those
+registrations alone; the puller READs them straight into slots it reserved in its own
+arena, and ``Unpin`` (or the pin lapsing) deregisters them (``grants``). The page checksums
+then decide what is kept. Every NIXL call runs on one thread of its own (the library is
+not async).
 
 UCX progress is event-driven: NIXL's progress thread sleeps in ``poll()`` on the UCX
 workers' event fds and wakes when there is work (or every ``PROGRESS_WAKEUP_US`` as a
@@ -18,7 +21,7 @@ limits it to the devices the node's setting names (``OMNIFLOW_KV_NIXL_DEVICES``,
 (``OMNIFLOW_HOST``; ``lo`` on 127.0.0.1): the data plane is reachable only where the gRPC
 server is. UCX itself authenticates no peer; what a puller needs to READ (the NIXL
 metadata, the arena address, pinned slots) is handed out only over the agents' mutual-TLS
-gRPC calls to another agent (docs/security.md).
+gRPC calls to another agent, as a grant per transfer (docs/security.md).
 """
 
 from __future__ import annotations
@@ -161,7 +164,6 @@ class NixlChannel:
                     os.environ["UCX_NET_DEVICES"] = before
         log.info("nixl %s: UCX devices %s", name, devices or "all")
         self._registered: list[Any] = []
-        self._remotes: dict[str, bytes] = {}  # remote agent name → metadata it was added with
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
@@ -172,28 +174,45 @@ class NixlChannel:
         self._registered.append(descs)
         log.info("nixl %s: registered %d bytes at %#x", self.name, nbytes, address)
 
+    async def register(self, address: int, nbytes: int) -> None:
+        """``register_sync`` from the event loop."""
+        await self._call(self.register_sync, address, nbytes)
+
     def register_blocking(self, address: int, nbytes: int) -> None:
         """``register_sync`` from synchronous code (any thread but the NIXL one)."""
         self._exec.submit(self.register_sync, address, nbytes).result(timeout=30)
+
+    def _grant(self, addresses: Sequence[int], nbytes: int) -> tuple[Any, bytes]:
+        descs = self._agent.register_memory([(a, nbytes, 0, "") for a in addresses], "DRAM")
+        try:
+            # Connection info and these registrations only: nothing else of this agent.
+            metadata = bytes(self._agent.get_partial_agent_metadata(descs, True))
+        except BaseException:
+            self._agent.deregister_memory(descs)
+            raise
+        return descs, metadata
+
+    async def grant(self, addresses: Sequence[int], nbytes: int) -> tuple[Any, bytes]:
+        """Register ``nbytes`` at each address for one transfer; returns the registration
+        (for ``revoke``) and the NIXL metadata that covers these regions alone."""
+        return await self._call(self._grant, list(addresses), nbytes)
+
+    async def revoke(self, registration: Any) -> None:
+        """Deregister a grant's regions (NIXL refuses transfers that name them from now)."""
+        await self._call(self._agent.deregister_memory, registration)
 
     async def metadata(self) -> bytes:
         """This agent's metadata, including every region registered so far."""
         return bytes(await self._call(self._agent.get_agent_metadata))
 
     def _ensure_remote(self, metadata: bytes) -> str:
-        for name, known in self._remotes.items():
-            if known == metadata:
-                return name
+        # A grant's metadata for an agent already loaded adds its regions (~10 us); the
+        # connection is made once, with the first (~0.1 s).
         name = self._agent.add_remote_agent(metadata)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if name in self._remotes:  # the remote registered more memory: reload it
-            self._agent.remove_remote_agent(name)
-            self._agent.add_remote_agent(metadata)
-        self._remotes[name] = metadata
-        return name
+        return name.decode() if isinstance(name, bytes) else str(name)
 
     async def ensure_remote(self, metadata: bytes) -> str:
-        """Load a remote agent's metadata (again if it changed); returns its name."""
+        """Load a remote agent's metadata (a grant's regions); returns its name."""
         return await self._call(self._ensure_remote, metadata)
 
     def _read(

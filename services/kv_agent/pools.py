@@ -12,6 +12,7 @@ one does not leak it. No gRPC in this module.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted
 from omniflow.kv.arena import DEFAULT_SHM_DIR, HEADER_BYTES, HostArena
-from omniflow.kv.events import BlockEvent
+from omniflow.kv.events import BlockEvent, Tier
 from omniflow_services.kv_agent.host_tier import HostTier
 from omniflow_services.kv_agent.ssd_tier import SsdFile, SsdTier
 from omniflow_services.kv_agent.tiers import PageHandle, TieredStore
@@ -169,6 +170,30 @@ class Pools:
             out += pool.store.drain_events()
         return out
 
+    def evict(
+        self,
+        targets: list[tuple[PagePool, bytes]],
+        hashes: list[bytes],
+        tier: Tier | None,
+        free_bytes: int,
+    ) -> tuple[int, int]:
+        """Evict ``hashes`` of each (pool, namespace) from ``tier`` (None: every tier), or
+        free ``free_bytes`` of each pool's host tier; returns (demoted, dropped) pages."""
+        before = [p.store.stats() for p, _ in targets]
+        for pool, ns in targets:
+            if hashes:
+                for h in hashes:
+                    pool.store.evict(ns, h, tier)
+            elif free_bytes:
+                pool.store.free_host(math.ceil(free_bytes / pool.page_bytes))
+        after = [p.store.stats() for p, _ in targets]
+        demoted = sum(a.demoted - b.demoted for a, b in zip(after, before, strict=True))
+        dropped = sum(a.dropped - b.dropped for a, b in zip(after, before, strict=True))
+        if hashes and tier is None:  # removed from every tier: counted as dropped
+            dropped += sum(b.host_pages + b.ssd_pages - a.host_pages - a.ssd_pages
+                           for a, b in zip(after, before, strict=True))  # fmt: skip
+        return demoted, dropped
+
     # --- pins (local readers) ---------------------------------------------------------------
 
     def pin(self, pool: PagePool, handles: list[PageHandle], ttl_s: float) -> str:
@@ -176,6 +201,17 @@ class Pools:
         with self._lock:
             self._pins[pin_id] = _Pin(pool, handles, self._clock() + ttl_s)
         return pin_id
+
+    def now(self) -> float:
+        return self._clock()
+
+    def deadline(self, pin_id: str) -> float:
+        """When the pin lapses (NotFound when it is not held)."""
+        with self._lock:
+            pin = self._pins.get(pin_id)
+        if pin is None:
+            raise NotFound(f"pin {pin_id!r} is unknown (released already, or it lapsed)")
+        return pin.deadline
 
     def unpin(self, pin_id: str) -> None:
         with self._lock:
@@ -200,9 +236,10 @@ class Pools:
 
     # --- upkeep -----------------------------------------------------------------------------
 
-    def expire(self) -> tuple[int, int]:
-        """Release pins and reservations past their deadline; returns (pins, reservations)."""
-        now = self._clock()
+    def expire(self, now: float | None = None) -> tuple[int, int]:
+        """Release pins and reservations past their deadline (at ``now``, by default the
+        clock's); returns (pins, reservations)."""
+        now = self._clock() if now is None else now
         with self._lock:
             pins = [(k, p) for k, p in self._pins.items() if p.deadline <= now]
             for k, _ in pins:

@@ -3,8 +3,9 @@
 Local workers map the host arena (``GetArena``) and read pages in place between
 ``LocatePages`` and ``Unpin``, or write them in place between a ``CommitPages`` reservation
 and its commit. Remote agents stream pages (``GetPages``) or, with NIXL, read the pinned
-slots directly. Every change of what the agent holds reaches the index through
-``IndexLink``. The agent serves local workers even while no index is reachable.
+slots directly, each pull under a grant of its own (``grants``). Every change of what
+the agent holds reaches the index through ``IndexLink``. The agent serves local workers
+even while no index is reachable.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -46,7 +46,7 @@ from omniflow.kv.wire import (
 )
 from omniflow.rpc.context import failed_call
 from omniflow.rpc.server import Runtime, ServiceApp
-from omniflow_services.kv_agent import metrics
+from omniflow_services.kv_agent import grants, metrics
 from omniflow_services.kv_agent.config import KVAgentSettings
 from omniflow_services.kv_agent.nixl_channel import (
     NixlChannel,
@@ -97,6 +97,10 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
         s = self.app.settings
         ttl_ms = min(request.pin_ttl_ms or s.pin_ttl_ms, s.max_pin_ttl_ms)  # capped here
         pin_id = self.app.pools.pin(pool, handles, ttl_ms / 1000)
+        granted = b""  # a pulling agent's NIXL grant: these slots, registered until Unpin
+        if request.nixl_grant:
+            granted = await grants.grant(self.app.grants, self.app.pools, pool, pin_id,
+                                         [h.slot for h in handles])  # fmt: skip
         slots = [
             kvagent_pb2.SlotRef(
                 block_hash=h.block_hash,
@@ -106,12 +110,14 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
             )
             for h in handles
         ]
-        return kvagent_pb2.LocatePagesResponse(slots=slots, pin_id=pin_id, shm_name=pool.shm_name)
+        return kvagent_pb2.LocatePagesResponse(
+            slots=slots, pin_id=pin_id, shm_name=pool.shm_name, nixl_metadata=granted
+        )
 
     async def Unpin(
         self, request: kvagent_pb2.UnpinRequest, context: grpc.aio.ServicerContext
     ) -> kvagent_pb2.UnpinResponse:
-        self.app.pools.unpin(request.pin_id)
+        await grants.release(self.app.grants, self.app.pools, request.pin_id)
         return kvagent_pb2.UnpinResponse()
 
     async def CommitPages(
@@ -262,23 +268,9 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
         else:
             pools = [(p, b"") for p in self.app.pools.all()]
         hashes = check_hashes(request.block_hashes, MAX_HASHES)
-        before = [p.store.stats() for p, _ in pools]
-
-        def work() -> None:
-            for pool, ns in pools:
-                if hashes:
-                    for h in hashes:
-                        pool.store.evict(ns, h, tier)
-                elif request.target_free_bytes:
-                    pool.store.free_host(math.ceil(request.target_free_bytes / pool.page_bytes))
-
-        await asyncio.to_thread(work)
-        after = [p.store.stats() for p, _ in pools]
-        demoted = sum(a.demoted - b.demoted for a, b in zip(after, before, strict=True))
-        dropped = sum(a.dropped - b.dropped for a, b in zip(after, before, strict=True))
-        if hashes and tier is None:  # removed from every tier: counted as dropped
-            dropped += sum(b.host_pages + b.ssd_pages - a.host_pages - a.ssd_pages
-                           for a, b in zip(after, before, strict=True))  # fmt: skip
+        demoted, dropped = await asyncio.to_thread(
+            self.app.pools.evict, pools, hashes, tier, request.target_free_bytes
+        )
         return kvagent_pb2.EvictResponse(demoted=demoted, dropped=dropped)
 
     async def Stats(
@@ -291,8 +283,7 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
     ) -> kvagent_pb2.GetTransportResponse:
         reply = kvagent_pb2.GetTransportResponse(channels=["grpc"])
         if self.app.nixl is not None:
-            reply.channels.append("nixl")
-            reply.nixl_metadata = await self.app.nixl.metadata()
+            reply.channels.append("nixl")  # its metadata only in a grant (LocatePages)
             reply.nixl_agent_name = self.app.nixl.name
         return reply
 
@@ -389,6 +380,7 @@ class KVAgentApp(ServiceApp):
         self.runtime: Runtime | None = None
         self.counters = Counters()
         self.nixl: NixlChannel | None = None
+        self.grants: grants.NixlGrants | None = None  # with NIXL: one per pull
         self._pools: Pools | None = None
         self._tensors: TensorStore | None = None
         self._link: IndexLink | None = None
@@ -450,6 +442,7 @@ class KVAgentApp(ServiceApp):
                 name = f"{safe_name(runtime.instance_id)}-{uuid.uuid4().hex[:8]}"
                 devices = ucx_devices(s.nixl_devices, s.host)
                 self.nixl = await asyncio.to_thread(NixlChannel, name, devices)
+                self.grants = grants.NixlGrants(self.nixl)
             else:
                 log.info("NIXL channel off: %s", reason)
         self._pools = Pools(
@@ -457,7 +450,6 @@ class KVAgentApp(ServiceApp):
             s.host_bytes,
             s.ssd_path,
             s.ssd_bytes,
-            on_new_pool=self._on_pool,
             max_pools=s.max_arenas,
         )
         recovered = await asyncio.to_thread(self._pools.recover_ssd)
@@ -498,10 +490,6 @@ class KVAgentApp(ServiceApp):
         tag = self.settings.shm_tag
         return safe_name(f"{instance_id}-{tag}" if tag else instance_id)
 
-    def _on_pool(self, pool: PagePool) -> None:
-        if self.nixl is not None:
-            self.nixl.register_blocking(pool.base_address, pool.mapping_bytes)
-
     def _entries(self) -> list[BlockEntry]:
         out: list[BlockEntry] = []
         for pool in self.pools.all():
@@ -526,7 +514,7 @@ class KVAgentApp(ServiceApp):
         while True:
             await asyncio.sleep(1.0)
             try:
-                self.pools.expire()
+                await grants.expire(self.grants, self.pools)
                 await asyncio.to_thread(self.tensors.sweep)
             except Exception:
                 log.exception("kv agent upkeep failed")

@@ -8,8 +8,9 @@ page must be the next hash of the chain asked for (a source cannot substitute co
 under another block hash).
 
 ``Puller`` fetches pages from a remote agent into this agent's host tier, over gRPC
-(``GetPages`` stream) or NIXL (READ of the remote arena slots, pinned with
-``LocatePages``), whichever both agents support.
+(``GetPages`` stream) or NIXL (READ of the remote arena slots, pinned and registered for
+this agent alone by a grant: ``LocatePages`` with ``nixl_grant``, released by ``Unpin``),
+whichever both agents support.
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ class Puller:
         self.window_pages = window_pages
         self.streams = max(1, streams)
         self._stubs: dict[str, tuple[TracedChannel, kvagent_pb2_grpc.KVAgentServiceStub]] = {}
+        # Arenas registered with NIXL as READ destinations (their metadata never leaves).
+        self._destinations: set[int] = set()
 
     def stub(self, address: str) -> kvagent_pb2_grpc.KVAgentServiceStub:
         held = self._stubs.get(address)
@@ -251,6 +254,9 @@ class Puller:
         self, pool: PagePool, namespace: bytes, hashes: list[bytes], address: str
     ) -> tuple[int, int, int]:
         assert self.nixl is not None
+        if pool.base_address not in self._destinations:
+            await self.nixl.register(pool.base_address, pool.mapping_bytes)
+            self._destinations.add(pool.base_address)
         stub = self.stub(address)
         ns = namespace_fields(namespace)
         arena = await self._remote(address, stub.GetArena(kvagent_pb2.GetArenaRequest(**ns)))
@@ -259,22 +265,25 @@ class Puller:
                 f"source agent {address} has {arena.page_bytes}-byte pages for namespace "
                 f"{namespace.hex()}, this agent {pool.page_bytes}"
             )
-        # Metadata after GetArena, so that it covers the arena registered for this namespace.
-        transport = await self._remote(
-            address, stub.GetTransport(kvagent_pb2.GetTransportRequest())
-        )
-        remote = await self.nixl.ensure_remote(transport.nixl_metadata)
+        # The grant: the source pins the pages and registers their slots (only those) with
+        # NIXL for this agent's certificate until the Unpin below; its metadata covers them.
         located = await self._remote(
             address,
             stub.LocatePages(
                 kvagent_pb2.LocatePagesRequest(
-                    **ns, block_hashes=hashes, pin_ttl_ms=int(self.timeout_s * 1000) + 5000
+                    **ns,
+                    block_hashes=hashes,
+                    pin_ttl_ms=int(self.timeout_s * 1000) + 5000,
+                    nixl_grant=True,
                 )
             ),
         )
         reservations: list[tuple[Reservation, kvagent_pb2.SlotRef]] = []
         failures = 0
         try:
+            if not located.slots:
+                return 0, 0, 0
+            remote = await self.nixl.ensure_remote(located.nixl_metadata)
             for ref in located.slots:
                 res = pool.store.reserve(namespace, ref.block_hash)
                 if res is not None:
