@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
+from omniflow.errors import Unavailable
 from omniflow.kv.index_store import KVIndex, OwnerMatch
 from omniflow.kv.wire import namespace_fields
 from omniflow.localredis import redis_client
@@ -30,22 +31,36 @@ class PrefixIndex(Protocol):
 
 
 class GrpcPrefixIndex:
-    """``MatchPrefix`` on the kv-index service (address from settings or discovery)."""
+    """``MatchPrefix`` on the kv-index service (address from settings or discovery).
+
+    The address is resolved once and its channel kept: a pick costs the one MatchPrefix
+    call, not a discovery listing before it (a Redis round trip per pick). A failed call
+    drops the channel, so that the next pick resolves the address again (a restarted
+    index on another port)."""
 
     def __init__(self, resolve: Callable[[], Awaitable[str]]) -> None:
         self._resolve = resolve
-        self._channel: tuple[str, TracedChannel] | None = None
+        self._channel: tuple[str, TracedChannel, kvindex_pb2_grpc.KVIndexServiceStub] | None = None
 
     async def match(self, namespace: bytes, hashes: Sequence[bytes]) -> list[OwnerMatch]:
-        address = await self._resolve()
-        if self._channel is None or self._channel[0] != address:
-            if self._channel is not None:
-                await self._channel[1].close()
-            self._channel = (address, open_channel(address, max_in_flight=None))
-        stub = kvindex_pb2_grpc.KVIndexServiceStub(self._channel[1])
-        reply = await stub.MatchPrefix(
-            kvindex_pb2.MatchPrefixRequest(**namespace_fields(namespace), block_hashes=list(hashes))
-        )
+        if self._channel is None:
+            address = await self._resolve()
+            if self._channel is None:  # no concurrent pick opened one meanwhile
+                channel = open_channel(address, max_in_flight=None)
+                stub = kvindex_pb2_grpc.KVIndexServiceStub(channel)
+                self._channel = (address, channel, stub)
+        _, channel, stub = self._channel
+        try:
+            reply = await stub.MatchPrefix(
+                kvindex_pb2.MatchPrefixRequest(
+                    **namespace_fields(namespace), block_hashes=list(hashes)
+                )
+            )
+        except Unavailable:  # not a deadline: a slow index keeps its channel
+            if self._channel is not None and self._channel[1] is channel:
+                self._channel = None
+                await channel.close()
+            raise
         merged: dict[str, list[int]] = {}
         meta: dict[str, kvindex_pb2.OwnerMatch] = {}
         for o in reply.owners:
