@@ -9,6 +9,7 @@ folder (``smollm2-135m-instruct``); workflows as ``workflow:<name>``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -45,6 +46,26 @@ WORKFLOW_PREFIX = "workflow:"
 DEFAULT_PAGE_SIZE = 16
 INLINE_CHARS = 1024  # prompts up to this many characters are tokenized on the loop
 MAX_ATTEMPTS = 3  # tries of one generation on workers that fail before its end
+
+
+class _Backoff:
+    """Waits of 50 ms doubling to 1 s for up to ``wait_s`` (OMNIFLOW_GATEWAY_FAILOVER_WAIT_S):
+    each call sleeps the next one and says True, or False once it would pass the end."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s, self.delay = wait_s, 0.05
+        self.end: float | None = None
+
+    async def __call__(self) -> bool:
+        now = asyncio.get_running_loop().time()
+        self.end = now + self.wait_s if self.end is None else self.end
+        if now + self.delay > self.end:
+            return False
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, 1.0)
+        return True
+
+
 T = TypeVar("T")
 SERVED_ROLES = ("llm", "diffusion", "talker", "embed")
 
@@ -245,7 +266,8 @@ class GatewayCore:
         With a seed, choice i samples with seed + i so that the choices differ. A worker
         that is unavailable before its first token is replaced by another (up to
         ``MAX_ATTEMPTS`` tries; the same worker again, once restarted, when it is the
-        model's only one). With ``whole`` (a non-streamed answer) the chunks are held
+        model's only one, waited for with backoff within OMNIFLOW_GATEWAY_FAILOVER_WAIT_S
+        once those tries are spent). With ``whole`` (a non-streamed answer) the chunks are held
         until the generation ends, so that a worker dying mid-answer is retried too.
         """
         sampling = prep.sampling
@@ -255,7 +277,8 @@ class GatewayCore:
         others = await self._exclude("llm", prep.workers)
         failed: tuple[str, ...] = ()
         ahead = prep.picked.pop(index, None)
-        for attempt in range(MAX_ATTEMPTS):
+        wait = _Backoff(self.settings.failover_wait_s)
+        for attempt in itertools.count():
             mine = {w.worker_id for w in prep.workers} - set(failed)
             picked = ahead or await self._pick(prep, others + (failed if mine else ()))
             ahead = None
@@ -273,7 +296,8 @@ class GatewayCore:
                         yield chunk
             except Unavailable as exc:
                 self._report(picked, started, False, "UNAVAILABLE")
-                if sent or attempt == MAX_ATTEMPTS - 1:
+                # Past its tries, a worker restarting (the model's only one) is waited for.
+                if sent or (attempt >= MAX_ATTEMPTS - 1 and not await wait()):
                     raise
                 metrics.RETRIES.labels("mid_answer" if held else "before_first_token").inc()
                 log.info("worker %s unavailable (%s): trying another", picked.worker_id, exc)
@@ -291,6 +315,7 @@ class GatewayCore:
                 yield chunk
             self._spent(held[-1] if held else last)
             return
+        raise AssertionError("unreachable")
 
     async def prepick(self, prep: Prepared, n: int) -> None:
         """Pick the workers of choices 0..n-1 now, so that "no worker" is the response's

@@ -204,7 +204,11 @@ def _plan(topology: Topology) -> list[tuple[str, str, dict[str, str]]]:
             if spec.model:
                 env["OMNIFLOW_WORKER_MODEL"] = spec.model
             plan.append((f"{spec.role}-{i + 1}", spec.module, env))
-    plan.append(("gateway", "gateway", {}))  # the OpenAI HTTP API, once workers serve
+    # The OpenAI HTTP API, once workers serve. Replicas (for a load balancer in front) on a
+    # free port each, kept across restarts by the supervisor; ``status`` shows them.
+    plan.append(("gateway", "gateway", {}))
+    for i in range(1, topology.gateways):
+        plan.append((f"gateway-{i + 1}", "gateway", {"OMNIFLOW_GATEWAY_PORT": "0"}))
     return plan
 
 

@@ -76,11 +76,19 @@ def _reap() -> None:
 
 
 def _port(address: str) -> str:
-    return address.rsplit(":", 1)[-1] if ":" in address and "//" not in address else ""
+    if "//" in address:  # the gateway's HTTP URL
+        return str(urlsplit(address).port or "")
+    return address.rsplit(":", 1)[-1] if ":" in address else ""
 
 
 def _port_free(address: str) -> bool:
     """Whether ``address``'s port can be bound again (as a gRPC server binds it)."""
+    if "//" in address:
+        address = urlsplit(address).netloc
+    return _bindable(address)
+
+
+def _bindable(address: str) -> bool:
     host, _, port = address.rpartition(":")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -207,7 +215,8 @@ class Supervisor:
             # Its old port whenever it is free (clients hold channels to that address);
             # after starts that died twice, only if no other process took it meanwhile.
             if port and (self._watch[proc.name].port_failures < 2 or _port_free(proc.address)):
-                extra["OMNIFLOW_PORT"] = port
+                http = "//" in proc.address  # the gateway: its HTTP port, however first chosen
+                extra["OMNIFLOW_GATEWAY_PORT" if http else "OMNIFLOW_PORT"] = port
             proc.pid = local._spawn(self.folder, proc.name, proc.service, extra).pid
         proc.restarts += 1
         log.warning("restarted %s: pid %s -> %s (restart %d)", proc.name, old, proc.pid,

@@ -6,6 +6,7 @@ A YAML file::
     kv_agent: {host_bytes: 268435456}
     routers: 2                  # replicas of the control plane (default 1 each)
     coordinators: 2
+    gateways: 2                 # replicas of the front door (default 1): gateway, gateway-2
     workers:
       - {role: llm, count: 2, model: "tiny:qwen2"}
       - {role: encoder, count: 1, model: /path/to/model}
@@ -68,6 +69,8 @@ class Topology:
     #: Replicas of the control plane: clients and coordinators fail over between them.
     routers: int = 1
     coordinators: int = 1
+    #: Replicas of the gateway, for a load balancer in front (docs/reliability.md).
+    gateways: int = 1
 
 
 def _str_env(where: str, raw: Any) -> dict[str, str]:
@@ -86,14 +89,14 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
         raise InvalidArgument(f"{source}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidArgument(f"{source}: expected a mapping at the top level")
-    unknown = set(data) - {"node", "workers", "kv_agent", "routers", "coordinators"}
+    unknown = set(data) - {"node", "workers", "kv_agent", "routers", "coordinators", "gateways"}
     if unknown:
         raise InvalidArgument(
             f"{source}: unknown keys {sorted(unknown)}; accepted: node, workers, kv_agent, "
-            "routers, coordinators"
+            "routers, coordinators, gateways"
         )
     replicas = {}
-    for key in ("routers", "coordinators"):
+    for key in ("routers", "coordinators", "gateways"):
         n = data.get(key, 1)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 8:
             raise InvalidArgument(f"{source}: {key} must be an integer from 1 to 8, got {n!r}")

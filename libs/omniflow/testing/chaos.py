@@ -127,9 +127,11 @@ class LocalTopology:
         replicas: int = 1,
         token_delay_ms: float = 20.0,
         model: str = "",
+        gateways: int = 1,
     ) -> None:
         self.root = root
         self.replicas = replicas
+        self.gateways = gateways
         self.model = model
         self.run_dir = root / "run"
         omniflow = shutil.which("omniflow") or str(Path(sys.executable).with_name("omniflow"))
@@ -166,6 +168,7 @@ class LocalTopology:
             worker = f'model: "{self.model}", env: {env}'
         topology.write_text(
             f"node: chaos\nrouters: {self.replicas}\ncoordinators: {self.replicas}\n"
+            f"gateways: {self.gateways}\n"
             f"workers:\n  - {{role: llm, count: {self.workers}, {worker}}}\n"
         )
         # Real workers load their weights before `up` returns.
