@@ -55,7 +55,13 @@ class Procs:
         return str(json.loads(ready.read_text())["address"])
 
     def worker(self, name: str, role: str, **env: str) -> str:
-        return self.start("omniflow.testing.echo_worker", name, OMNIFLOW_WORKER_ROLE=role, **env)
+        return self.start(
+            "omniflow_services.worker",
+            name,
+            OMNIFLOW_WORKER_ENGINE="echo",
+            OMNIFLOW_WORKER_ROLE=role,
+            **env,
+        )
 
     def close(self) -> None:
         for proc in self.started:

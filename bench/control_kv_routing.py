@@ -3,7 +3,7 @@ multi-turn workloads on 3 llm workers, routed by ``round_robin``, ``consistent_h
 (session key), ``least_outstanding`` and ``kv_aware``.
 
 The workers are echo TEST workers (real processes) whose compute model is a fake
-continuous-batching engine (``omniflow.testing.echo_engine``): a step costs
+continuous-batching engine (``omniflow_services.worker.echo.engine``): a step costs
 ``--step-ms`` plus ``--decode-us`` per request in decode plus ``--prefill-us`` per prompt
 byte computed (at most ``--step-tokens`` bytes per step), so a busy worker serves
 everyone slower; an LRU prefix cache spares the prefill of cached leading blocks and
@@ -37,8 +37,8 @@ from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.convert import strategy_value
 from omniflow.kv.blocks import block_hashes
 from omniflow.rpc.client import open_channel
-from omniflow.testing.echo_worker import ECHO_LAYOUT
 from omniflow.values import to_python
+from omniflow_services.worker.echo.engine import ECHO_LAYOUT
 
 STRATEGIES = ("round_robin", "consistent_hash", "least_outstanding", "kv_aware")
 WORKERS = 3

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 
 from omniflow.kv.blocks import block_hashes
-from omniflow.testing.echo_worker import ECHO_LAYOUT
+from omniflow_services.worker.echo.engine import ECHO_LAYOUT
 
 WORDS = (
     "cache page token image voice layer head block route batch prefix query tensor "

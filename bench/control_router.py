@@ -36,7 +36,7 @@ from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.kv.blocks import block_hashes
 from omniflow.rpc.client import open_channel
-from omniflow.testing.echo_worker import ECHO_LAYOUT
+from omniflow_services.worker.echo.engine import ECHO_LAYOUT
 
 FAKE_HTTP_WORKER = r"""
 import sys

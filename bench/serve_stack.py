@@ -213,11 +213,16 @@ def start_omniflow(
 
 
 def start_echo(procs: Procs, of: Omniflow) -> Omniflow:
-    """An echo TEST worker (answers at once) on the same topology, for the overhead."""
+    """A worker of the echo TEST engine (answers at once) on the same topology, for the overhead."""
     echo = procs.service(
-        "omniflow.testing.echo_worker",
+        "omniflow_services.worker",
         "echo-1",
-        {**of.base, "OMNIFLOW_WORKER_ROLE": "llm", "OMNIFLOW_ECHO_TOKEN_DELAY_MS": "0"},
+        {
+            **of.base,
+            "OMNIFLOW_WORKER_ENGINE": "echo",
+            "OMNIFLOW_WORKER_ROLE": "llm",
+            "OMNIFLOW_ECHO_TOKEN_DELAY_MS": "0",
+        },
     )
     time.sleep(1.5)  # the gateway's and router's discovery listings see it
     ns = echo["metadata"]["kv_namespace"]

@@ -12,7 +12,12 @@ from omniflow.workers import ROLES
 class WorkerSettings(CommonSettings):
     """Settings of a worker (plus the common ones)."""
 
-    role: str = setting("OMNIFLOW_WORKER_ROLE", "llm", "role this worker serves", choices=ROLES)
+    role: str = setting(
+        "OMNIFLOW_WORKER_ROLE",
+        "llm",
+        "role this worker serves (echo: the echo engine's own test role)",
+        choices=(*ROLES, "echo"),
+    )
     model: str = setting(
         "OMNIFLOW_WORKER_MODEL",
         "",
@@ -47,8 +52,9 @@ class WorkerSettings(CommonSettings):
     engine: str = setting(
         "OMNIFLOW_WORKER_ENGINE",
         "torch",
-        "engine backend (vllm: run the worker from vLLM's venv, see docs/vllm.md)",
-        choices=("torch", "sglang", "vllm"),
+        "engine backend (vllm: run the worker from vLLM's venv, see docs/vllm.md; echo: the "
+        "TEST engine, no model, see docs/engine.md)",
+        choices=("torch", "sglang", "vllm", "echo"),
     )
     device: str = setting("OMNIFLOW_WORKER_DEVICE", "cpu", "torch device (cpu, cuda, cuda:1)")
     dtype: str = setting(
@@ -89,4 +95,34 @@ class WorkerSettings(CommonSettings):
         "past it the reply goes out anyway (counted in "
         "omniflow_worker_prefill_store_incomplete_total)",
         minimum=0.0,
+    )
+    # The echo TEST engine (OMNIFLOW_WORKER_ENGINE=echo, docs/engine.md): its fake step costs.
+    echo_token_delay_ms: float = setting(
+        "OMNIFLOW_ECHO_TOKEN_DELAY_MS",
+        0.0,
+        "echo engine: fixed time of one step (one generated word per request in decode)",
+        minimum=0,
+    )
+    echo_prefill_us: float = setting(
+        "OMNIFLOW_ECHO_PREFILL_US", 0.0, "echo engine: time per uncached prompt byte", minimum=0
+    )
+    echo_decode_us: float = setting(
+        "OMNIFLOW_ECHO_DECODE_US", 0.0, "echo engine: step time per request in decode", minimum=0
+    )
+    echo_step_tokens: int = setting(
+        "OMNIFLOW_ECHO_STEP_TOKENS", 2048, "echo engine: prefill bytes of one step", minimum=1
+    )
+    echo_max_running: int = setting(
+        "OMNIFLOW_ECHO_MAX_RUNNING", 256, "echo engine: requests batched; more wait", minimum=1
+    )
+    echo_cache_blocks: int = setting(
+        "OMNIFLOW_ECHO_CACHE_BLOCKS", 4096, "echo engine: prefix cache blocks (LRU)", minimum=1
+    )
+    echo_publish_kv: bool = setting(
+        "OMNIFLOW_ECHO_PUBLISH_KV",
+        False,
+        "echo engine: publish its cached blocks to the KV index's Redis (kv_aware routing)",
+    )
+    echo_weight: float = setting(
+        "OMNIFLOW_ECHO_WEIGHT", 1.0, "echo engine: the weight in discovery metadata (weighted)"
     )

@@ -22,6 +22,7 @@ from omniflow.workers import WORKER_SERVICE, worker_metadata
 from omniflow_services.worker import metrics
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
+from omniflow_services.worker.echo.edge import invoke_echo, synthesize_echo
 from omniflow_services.worker.embed.edge import invoke_embed
 from omniflow_services.worker.kv import WorkerKV
 from omniflow_services.worker.llm.role import LLMRole
@@ -153,7 +154,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Synthesize(
         self, request: worker_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.SynthesizeResponse]:
-        async for chunk in self.app.mm.synthesize(request):
+        echo = self.app.core.echo
+        stream = synthesize_echo(echo, request) if echo else self.app.mm.synthesize(request)
+        async for chunk in stream:
             yield chunk
 
     async def LoadModel(
@@ -189,6 +192,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Invoke(
         self, request: worker_pb2.InvokeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.InvokeResponse:
+        if self.app.core.echo is not None:  # the echo engine serves its own operations
+            rt = self.app.runtime
+            return await invoke_echo(self.app.core.echo, request, rt.instance_id if rt else "")
         # Each handler asks for its role (FailedPrecondition naming this worker's role).
         handler = next((h for (_, op), h in INVOKE.items() if op == request.operation), None)
         if handler is None:
@@ -259,7 +265,7 @@ class WorkerApp(ServiceApp):
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        if self.settings.model:
+        if self.settings.model or self.settings.engine == "echo":
             # SERVING only after the model is loaded and a warm-up step has run.
             await self.core.load(self.settings.model)
             await self.attach_kv()
@@ -289,12 +295,16 @@ class WorkerApp(ServiceApp):
         await self.mm.close()
         if self.core.embed is not None:
             self.core.embed.close()
+        if self.core.echo is not None:
+            await self.core.echo.close()
 
     def metadata(self) -> dict[str, str]:
         node = self.runtime.node if self.runtime else ""
         c = self.core
         # Discovery metadata is a text map: the namespace as its hex there.
         meta = worker_metadata(c.role, node, c.model, c.kv_namespace.hex(), c.operations)
+        if c.echo is not None:  # no page pricing: its pages are the test engine's bytes
+            return {**meta, **c.echo.metadata()}
         # The page size the prompt's block hashes are cut at: the gateway and the
         # coordinator hash prompts for kv_aware picks and must cut them the same way.
         layout = getattr(getattr(c.llm, "engine", None), "layout", None)

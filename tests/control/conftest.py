@@ -19,7 +19,7 @@ def redis_proc(private_redis: RedisProcess) -> RedisProcess:
     return private_redis
 
 
-ECHO = "omniflow.testing.echo_worker"
+ECHO = "omniflow_services.worker"  # with the echo engine (OMNIFLOW_WORKER_ENGINE=echo)
 ROUTER = "omniflow_services.router"
 COORDINATOR = "omniflow_services.coordinator"
 
@@ -39,7 +39,11 @@ def cluster(launch: Callable[..., Proc]) -> Callable[..., dict[str, Proc]]:
         for role, count in ({"llm": 2} if workers is None else workers).items():
             for i in range(count):
                 name = f"{role}-{i}"
-                env = {"OMNIFLOW_WORKER_ROLE": role, **(worker_env or {})}
+                env = {
+                    "OMNIFLOW_WORKER_ROLE": role,
+                    "OMNIFLOW_WORKER_ENGINE": "echo",
+                    **(worker_env or {}),
+                }
                 procs[name] = launch(ECHO, name, **env)
         for proc in procs.values():
             proc.wait_ready()

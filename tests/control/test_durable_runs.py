@@ -65,8 +65,8 @@ def _restart(box: dict) -> None:
 
 
 def _start(launch, url: str, coordinator_env: dict[str, str] | None = None) -> dict:
-    worker = launch("omniflow.testing.echo_worker", "echo-0", OMNIFLOW_REDIS_URL=url,
-                    OMNIFLOW_WORKER_ROLE="echo").wait_ready()  # fmt: skip
+    worker = launch("omniflow_services.worker", "echo-0", OMNIFLOW_WORKER_ENGINE="echo",
+                    OMNIFLOW_REDIS_URL=url, OMNIFLOW_WORKER_ROLE="echo").wait_ready()  # fmt: skip
     router = launch("omniflow_services.router", "router", OMNIFLOW_REDIS_URL=url).wait_ready()
     coord = launch(
         "omniflow_services.coordinator",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from omniflow.testing.echo_engine import ComputeModel, EchoEngine
+from omniflow_services.worker.echo.engine import ComputeModel, EchoEngine
 
 MODEL = ComputeModel(prefill_us=10, decode_us=100, step_us=1000, step_tokens=64)
 

@@ -34,7 +34,12 @@ def _shout() -> Workflow:
 
 
 def _two_coordinators(launch, resume: bool) -> list:
-    launch("omniflow.testing.echo_worker", "echo-0", OMNIFLOW_WORKER_ROLE="echo").wait_ready()
+    launch(
+        "omniflow_services.worker",
+        "echo-0",
+        OMNIFLOW_WORKER_ENGINE="echo",
+        OMNIFLOW_WORKER_ROLE="echo",
+    ).wait_ready()
     router = launch("omniflow_services.router", "router").wait_ready()
     return [
         launch(
@@ -90,7 +95,12 @@ async def test_dead_coordinators_runs_are_adopted_and_the_client_fails_over(laun
 
 
 async def test_coordinator_fails_over_between_routers(launch) -> None:
-    launch("omniflow.testing.echo_worker", "echo-0", OMNIFLOW_WORKER_ROLE="echo").wait_ready()
+    launch(
+        "omniflow_services.worker",
+        "echo-0",
+        OMNIFLOW_WORKER_ENGINE="echo",
+        OMNIFLOW_WORKER_ROLE="echo",
+    ).wait_ready()
     routers = [launch("omniflow_services.router", f"router-{i}").wait_ready() for i in range(2)]
     coord = launch("omniflow_services.coordinator", "coordinator").wait_ready()
     async with Client(coord.address) as client:

@@ -25,15 +25,16 @@ from omniflow.localredis import RedisProcess
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.server import Runtime, ServiceHost
 from omniflow.rpc.status import domain_error
-from omniflow.testing.echo_worker import EchoSettings, EchoWorkerApp
+from omniflow_services.worker.config import WorkerSettings
+from omniflow_services.worker.server import WorkerApp
 
 pytestmark = pytest.mark.integration
 
 
-class SlowStart(EchoWorkerApp):
-    """The echo worker whose start (its "model load") waits for the test."""
+class SlowStart(WorkerApp):
+    """A worker of the echo engine whose start (its "model load") waits for the test."""
 
-    def __init__(self, settings: EchoSettings, loaded: asyncio.Event) -> None:
+    def __init__(self, settings: WorkerSettings, loaded: asyncio.Event) -> None:
         super().__init__(settings)
         self.loaded = loaded
 
@@ -59,7 +60,7 @@ async def _generate(address: str) -> str:
 async def test_a_starting_service_refuses_with_unavailable_until_serving(
     private_redis: RedisProcess,
 ) -> None:
-    base = load_settings(EchoSettings, env={})
+    base = load_settings(WorkerSettings, env={"OMNIFLOW_WORKER_ENGINE": "echo"})
     settings = dataclasses.replace(
         base, redis_url=private_redis.url, port=0, metrics_port=-1, instance_id="slow-0"
     )
@@ -138,12 +139,13 @@ async def test_caller_errors_never_open_a_breaker(
         proxy = worker_pb2_grpc.WorkerServiceStub(channel)
         rstub = router_pb2_grpc.RouterServiceStub(channel)
         for _ in range(6):
-            with pytest.raises(errors.Unimplemented):  # a method the echo worker lacks
+            with pytest.raises(errors.FailedPrecondition):  # another role's method
                 await proxy.GenerateImage(
                     worker_pb2.GenerateImageRequest(), metadata=llm, timeout=5
                 )
-            with pytest.raises(errors.InvalidArgument):  # a request it refuses
-                await proxy.Encode(worker_pb2.EncodeRequest(), metadata=llm, timeout=5)
+            with pytest.raises(errors.InvalidArgument):  # a request it refuses: no prompt
+                empty = worker_pb2.GenerateRequest()
+                [c async for c in proxy.Generate(empty, metadata=llm, timeout=5)]
             with pytest.raises(errors.NotFound):  # an operation it does not know
                 await proxy.Invoke(
                     worker_pb2.InvokeRequest(operation="nope"), metadata=llm, timeout=5

@@ -10,8 +10,8 @@ from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.kv.blocks import block_hashes
 from omniflow.rpc.client import open_channel
-from omniflow.testing.echo_worker import ECHO_LAYOUT
 from omniflow.values import from_python
+from omniflow_services.worker.echo.engine import ECHO_LAYOUT
 
 pytestmark = pytest.mark.integration
 
@@ -154,7 +154,7 @@ async def test_kv_aware_counts_blocks_an_agent_acknowledged_before_the_index_kno
     # kv_stored_node: the caller knows that node's agent stored the blocks (an llm's
     # prefill_only reply), though the index has not announced them: the pick goes there.
     for node in ("n0", "n1"):
-        launch("omniflow.testing.echo_worker", f"diffusion-{node}",
+        launch("omniflow_services.worker", f"diffusion-{node}", OMNIFLOW_WORKER_ENGINE="echo",
                OMNIFLOW_WORKER_ROLE="diffusion", OMNIFLOW_NODE_ID=node).wait_ready()  # fmt: skip
     router_proc = launch("omniflow_services.router", "router", OMNIFLOW_ROUTER_KV_INDEX="off",
                          OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.2").wait_ready()  # fmt: skip

@@ -39,7 +39,12 @@ def _settings(cls, redis_url: str, **extra):
 
 async def test_a_run_is_one_trace(launch, redis_proc):
     for name, role in (("llm-0", "llm"), ("echo-0", "echo")):
-        launch("omniflow.testing.echo_worker", name, OMNIFLOW_WORKER_ROLE=role).wait_ready()
+        launch(
+            "omniflow_services.worker",
+            name,
+            OMNIFLOW_WORKER_ENGINE="echo",
+            OMNIFLOW_WORKER_ROLE=role,
+        ).wait_ready()
     url = redis_proc.url
     router = ServiceHost(
         RouterApp(_settings(RouterSettings, url, instance_id="router-0")),

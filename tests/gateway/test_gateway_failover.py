@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 openai = pytest.importorskip("openai", reason="the official openai client is the reference")
 
-ECHO = "omniflow.testing.echo_worker"
+ECHO = "omniflow_services.worker"  # with the echo engine (OMNIFLOW_WORKER_ENGINE=echo)
 ROUTER = "omniflow_services.router"
 GATEWAY = "omniflow_services.gateway"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 2
@@ -50,7 +50,11 @@ def _topology(
     procs: dict[str, ServiceProc] = {}
     for i in range(2):
         procs[f"llm-{i}"] = launch(
-            ECHO, f"llm-{i}", OMNIFLOW_WORKER_ROLE="llm", OMNIFLOW_ECHO_TOKEN_DELAY_MS=delay_ms
+            ECHO,
+            f"llm-{i}",
+            OMNIFLOW_WORKER_ENGINE="echo",
+            OMNIFLOW_WORKER_ROLE="llm",
+            OMNIFLOW_ECHO_TOKEN_DELAY_MS=delay_ms,
         )
     for proc in procs.values():
         proc.wait_ready()

@@ -126,7 +126,10 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
             OMNIFLOW_KV_AGENT_ADDR=procs["agent-1"].address,
         )
         procs["echo-1"] = start(
-            "omniflow.testing.echo_worker", "echo-1", OMNIFLOW_WORKER_ROLE="echo"
+            "omniflow_services.worker",
+            "echo-1",
+            OMNIFLOW_WORKER_ENGINE="echo",
+            OMNIFLOW_WORKER_ROLE="echo",
         )
         for name in ("llm-1", "echo-1"):
             procs[name].wait_ready(180)

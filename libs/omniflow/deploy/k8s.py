@@ -518,9 +518,9 @@ def render(topology: Topology, opts: K8sOptions | None = None) -> list[Obj]:
         _service("kv-agent", PORTS["kv-agent"], opts, local=True),
     ]
     for i, spec in enumerate(topology.workers):
-        if spec.module != "worker":
+        if spec.program != "worker":
             raise InvalidArgument(
-                f"workers[{i}]: program {spec.module!r} is a test program; "
+                f"workers[{i}]: program {spec.program!r} is a test program; "
                 "Kubernetes runs model workers only"
             )
         if spec.count == 0:

@@ -52,13 +52,15 @@ class WorkerSpec:
     count: int = 1
     model: str = ""
     env: dict[str, str] = field(default_factory=dict)
-    #: The program: "worker" (the model engine), or "echo" for the TEST echo worker (fake
-    #: compute, no model: tests and the chaos bench).
+    #: The module ``omniflow up`` starts (the worker, for either program).
     module: str = "worker"
+    #: The program: "worker" (a model engine), or "echo": the worker with the echo TEST engine
+    #: (``OMNIFLOW_WORKER_ENGINE=echo``: fake compute, no model; tests and the chaos bench).
+    program: str = "worker"
 
 
-#: ``program`` of a worker entry → the module ``omniflow up`` starts.
-PROGRAMS = {"worker": "worker", "echo": "omniflow.testing.echo_worker"}
+#: ``program`` of a worker entry → the environment it adds to the worker's.
+PROGRAMS: dict[str, dict[str, str]] = {"worker": {}, "echo": {"OMNIFLOW_WORKER_ENGINE": "echo"}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +127,8 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
                 role,
                 count,
                 str(entry.get("model") or ""),
-                _str_env(where, entry.get("env")),
-                PROGRAMS[program],
+                {**PROGRAMS[program], **_str_env(where, entry.get("env"))},
+                program=program,
             )
         )
     agent = data.get("kv_agent") or {}

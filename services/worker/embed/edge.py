@@ -11,6 +11,8 @@ vectors are cut to that many and normalised again; any other model refuses it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from omniflow.api.common.v1 import common_pb2
@@ -18,7 +20,9 @@ from omniflow.api.worker.v1 import worker_pb2
 from omniflow.errors import InvalidArgument
 from omniflow.operations import operation
 from omniflow.values import to_python
-from omniflow_services.worker.embed.role import EmbedRole
+
+if TYPE_CHECKING:  # the role loads torch: the edge is imported by every worker
+    from omniflow_services.worker.embed.role import EmbedRole
 
 EMBED = operation("embed", "embed")
 assert EMBED is not None

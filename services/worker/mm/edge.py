@@ -34,7 +34,6 @@ from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.llm.role import LLMRole
 from omniflow_services.worker.llm.types import GenerateRequest
 from omniflow_services.worker.mm import audio_metrics
-from omniflow_services.worker.mm.image_role import ImageRequest
 from omniflow_services.worker.mm.media import AUDIO, IMAGE, MediaInput
 from omniflow_services.worker.mm.media_prompt import EncodedRef, MediaResolver, multimodal_request
 from omniflow_services.worker.mm.prompt import PLACEHOLDER
@@ -232,6 +231,9 @@ class MultimodalEdge:
         self, request: worker_pb2.GenerateImageRequest
     ) -> worker_pb2.GenerateImageResponse:
         mm = self.core.require_mm("diffusion")
+        # Imported here: the diffusion role loads torch, and every worker imports this edge.
+        from omniflow_services.worker.mm.image_role import ImageRequest
+
         role, llm = mm.diffusion, mm.llm
         assert role is not None and llm is not None
         cfg = role.defaults

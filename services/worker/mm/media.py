@@ -9,12 +9,15 @@ from __future__ import annotations
 import io
 import wave
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from omniflow.errors import InvalidArgument
 from omniflow.wav import wav_bytes as wav_bytes  # the talkers import it from here
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGE = "image"
 AUDIO = "audio"
@@ -48,6 +51,7 @@ def decode_image(
     max_bytes: int,
 ) -> torch.Tensor:
     """Decode, check limits, resize to ``size``², normalise: float32 [3, size, size]."""
+    import torch
     from PIL import Image, UnidentifiedImageError
 
     check_bytes(item, "image", "PNG or JPEG", max_bytes)
@@ -74,6 +78,8 @@ def decode_image(
 
 def decode_wav(item: MediaInput, sample_rate: int, max_seconds: float) -> torch.Tensor:
     """Decode 16-bit (or 8/32-bit) PCM WAV at ``sample_rate``: float32 mono samples in [-1, 1]."""
+    import torch
+
     if not item.data:
         raise InvalidArgument(f"{item.name}: the audio is empty; send WAV (PCM) bytes")
     try:
@@ -113,11 +119,15 @@ def decode_wav(item: MediaInput, sample_rate: int, max_seconds: float) -> torch.
 
 
 def _hz_to_mel(f: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return 2595.0 * torch.log10(1.0 + f / 700.0)
 
 
 def mel_filterbank(n_fft: int, n_mels: int, sample_rate: int) -> torch.Tensor:
     """Triangular HTK-mel filters [n_mels, n_fft // 2 + 1], area-normalised (Slaney)."""
+    import torch
+
     freqs = torch.linspace(0, sample_rate / 2, n_fft // 2 + 1)
     mel_max = _hz_to_mel(torch.tensor(sample_rate / 2.0))
     mels = torch.linspace(0.0, float(mel_max), n_mels + 2)
@@ -133,6 +143,8 @@ def log_mel(
     samples: torch.Tensor, n_fft: int, hop: int, n_mels: int, sample_rate: int
 ) -> torch.Tensor:
     """Whisper-style log-mel spectrogram [n_mels, frames] of mono float samples."""
+    import torch
+
     window = torch.hann_window(n_fft)
     if samples.numel() < n_fft // 2 + 1:  # reflect padding needs a few samples
         samples = torch.nn.functional.pad(samples, (0, n_fft // 2 + 1 - samples.numel()))
@@ -146,5 +158,7 @@ def log_mel(
 
 def to_pcm_s16(wave_f32: torch.Tensor) -> bytes:
     """Float samples in [-1, 1] → 16-bit little-endian PCM bytes."""
+    import torch
+
     x = torch.clamp(wave_f32, -1.0, 1.0) * 32767.0
     return x.round().to(torch.int16).numpy().astype("<i2").tobytes()

@@ -13,10 +13,9 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from omniflow.chat import Preprocessor
 from omniflow.errors import FailedPrecondition, InvalidArgument
@@ -33,6 +32,9 @@ from omniflow_services.worker.mm.prompt import (
     chat_segments,
     text_segments,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 #: (item id, TensorRef of its embeddings) for each item, in order.
 EncodeFn = Callable[[list[MediaInput]], Awaitable[list[tuple[bytes, Any]]]]
@@ -68,6 +70,8 @@ class MediaResolver:
         self._known_items = known_items
 
     async def _get(self, ref: Any, name: str) -> torch.Tensor:
+        import torch
+
         if self._tensors is None:
             raise FailedPrecondition(
                 f"{name}: embeddings are in the data plane and this worker has no kv-agent "

@@ -14,13 +14,15 @@ import asyncio
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from omniflow.chat import ChatTemplate
 from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import MultimodalSpan, apply_multimodal
 from omniflow_services.worker.llm.types import EmbedSpan
+
+if TYPE_CHECKING:
+    import torch
 
 #: Placeholders of a text prompt, matched in order with the request's items.
 PLACEHOLDER = re.compile(r"<\|(image|audio)\|>")

@@ -14,15 +14,17 @@ import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from omniflow.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
 
 TIME_PRECISION = 0.02  # seconds per timestamp token
 MAX_INITIAL_TIMESTAMP = 1.0  # the first timestamp is at most this far into the window
 
-Rules = Callable[[list[int], torch.Tensor], torch.Tensor]
+Rules = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +60,8 @@ def timestamp_rules(timestamp_begin: int, eot: int, no_timestamps: int) -> Rules
     max_initial = round(MAX_INITIAL_TIMESTAMP / TIME_PRECISION)
 
     def apply(seq: list[int], logits: torch.Tensor) -> torch.Tensor:
+        import torch
+
         logits = logits.clone()
         logits[no_timestamps] = float("-inf")
         n = len(seq)

@@ -1,4 +1,4 @@
-"""The echo TEST worker's compute model: fake numbers, real scheduling.
+"""The echo engine's compute model: fake numbers, real scheduling (a TEST engine).
 
 A step-driven engine in the manner of a continuous-batching LLM server, so that cache
 locality and load cost time the way they do in a real one:
@@ -17,8 +17,8 @@ locality and load cost time the way they do in a real one:
   it is admitted; its own blocks enter the cache as the prefill computes them, so a
   request arriving while an identical prefix is still being computed does not reuse it.
 
-No gRPC here: the worker feeds requests in and streams the tokens out; ``plan`` and
-``apply`` are pure bookkeeping that the unit tests drive without sleeping.
+No gRPC here: the role (``echo.role``) feeds requests in and streams the tokens out;
+``plan`` and ``apply`` are pure bookkeeping that the unit tests drive without sleeping.
 """
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from omniflow.kv.blocks import KVLayout
+from omniflow_services.worker.llm.types import EngineLoad
+
+#: The echo engine's KV layout: prompt bytes are its tokens, 16 to a page.
+ECHO_LAYOUT = KVLayout("echo-bytes", 1, 1, 1, "float32", 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +121,11 @@ BlockListener = Callable[[list[bytes], list[bytes]], None]
 
 class EchoEngine:
     """Continuous batching over a fake cost model; see the module docstring."""
+
+    # The llm interface (``llm.role.LLMRole``): its KV layout, and no tokenizer (the echo
+    # role turns prompts into bytes itself).
+    layout = ECHO_LAYOUT
+    tokenizer = None
 
     def __init__(
         self,
@@ -207,6 +218,16 @@ class EchoEngine:
             if r.produced >= r.max_new:
                 self.running.remove(r)
                 r.tokens.put_nowait(None)
+
+    def load(self) -> EngineLoad:
+        """What the router weighs: the batch, the queue, and the cache's blocks as pages."""
+        cache = self.cache
+        return EngineLoad(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            free_pages=max(cache.capacity - len(cache), 0),
+            total_pages=cache.capacity,
+        )
 
     def clear_cache(self) -> None:
         """Drop every cached block (the worker tells the index itself)."""
