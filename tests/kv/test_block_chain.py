@@ -91,3 +91,16 @@ def test_bad_input() -> None:
     with pytest.raises(BlockIdentityError, match="unsigned 32-bit"):
         extend_chain([], NS, [1, 2, 3, -1], 4)
     assert extend_chain([], NS, TOKENS[:3], 4) == []  # the partial tail page has no hash
+
+
+def test_sglang_keys_map_by_the_chains_page_hash() -> None:
+    # SGLang hands its storage backend only its own page keys: each maps to the first page
+    # of a chain in the namespace that holds no tokens and carries the key as extra key.
+    from omniflow_services.worker.sglang.pages import KEY_DOMAIN, KeyMapper, sglang_page_keys
+
+    keys = sglang_page_keys(TOKENS[:64], 16)
+    mapper = KeyMapper(NS)
+    for key in keys:
+        want = xxhash.xxh3_128_digest(bytes(16) + NS + KEY_DOMAIN + key.encode())
+        assert mapper.block_hash(key) == want
+    assert mapper.prompt_hashes(TOKENS[:64], 16) == mapper.block_hashes(keys)
