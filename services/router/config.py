@@ -35,10 +35,11 @@ class RouterSettings(CommonSettings):
     )
     kv_index: str = setting(
         "OMNIFLOW_ROUTER_KV_INDEX",
-        "grpc",
+        "auto",
         "how kv_aware reaches the KV index: its gRPC MatchPrefix, the index's Redis "
-        "directly, or off (load only)",
-        choices=("grpc", "redis", "off"),
+        "directly (one round trip, no hop through the kv-index), auto (redis when "
+        "OMNIFLOW_REDIS_URL is set, as the kv-index reads it, else grpc), or off (load only)",
+        choices=("auto", "grpc", "redis", "off"),
     )
     kv_index_addr: str = peer_address("OMNIFLOW_KV_INDEX_ADDR", "kv-index address")
     kv_key_prefix: str = setting(

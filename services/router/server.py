@@ -278,9 +278,12 @@ class RouterApp(ServiceApp):
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        if self.settings.kv_index == "grpc":
+        way = self.settings.kv_index
+        if way == "auto":  # the index's own Redis when this router has it: one round trip
+            way = "redis" if self.settings.redis_url else "grpc"
+        if way == "grpc":
             self.index = GrpcPrefixIndex(self._index_address)
-        elif self.settings.kv_index == "redis":
+        elif way == "redis":
             s = self.settings
             self.index = RedisPrefixIndex(s.redis_url, s.kv_index_timeout_s, s.kv_key_prefix)
         first = asyncio.get_running_loop().create_future()
