@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import redis.asyncio as aioredis
-from procs import ServiceProc, start_service, stop_all
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
@@ -33,6 +32,7 @@ from omniflow.rpc.client import open_channel
 from omniflow.security.bundle import Bundle, make_bundle
 from omniflow.security.identity import Identity
 from omniflow.security.transport import Security
+from omniflow.testing.launch import ServiceProc, start_service, stop_all
 from omniflow.values import VType
 
 register_operation("echo", "upper", {"text": VType.TEXT}, {"text": VType.TEXT})

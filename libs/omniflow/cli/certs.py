@@ -16,6 +16,12 @@ renews every service and client certificate in FOLDER (default: the ``pki/`` of 
 ``omniflow up`` topology of the run folder) with a new key, signed by the same CA, keeping
 identities and names; running services take the new files at their next TLS handshake
 (``Security.server_credentials``), without a restart and without losing a request.
+
+    omniflow certs rotate --ca [--dir FOLDER] [--wait-s 10] [--step]
+
+rotates the CA itself: a trust bundle of the old and a new CA, every certificate renewed
+by the new CA, then the old CA dropped, ``--wait-s`` apart (``--step``: only the step due,
+for an operator who spaces them out); see ``omniflow.security.ca_rotation``.
 See docs/security.md.
 """
 
@@ -28,6 +34,7 @@ import secrets
 from pathlib import Path
 
 from omniflow.errors import InvalidArgument
+from omniflow.security import ca_rotation
 from omniflow.security.apikeys import write_keys
 from omniflow.security.bundle import TOKENS_FILE, make_bundle
 from omniflow.security.certs import CA_CERT, renew_all
@@ -73,6 +80,15 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         "--keep", action="store_true", help="do nothing when the folder has a CA and tokens"
     )
     p.add_argument("--owner", type=int, help="chown the folder and its files to this uid")
+    p.add_argument(
+        "--ca",
+        action="store_true",
+        help="rotate: the CA itself (trust old+new, renew by the new, drop the old)",
+    )
+    p.add_argument(
+        "--wait-s", type=float, default=10.0, help="rotate --ca: seconds between its steps"
+    )
+    p.add_argument("--step", action="store_true", help="rotate --ca: only the step due now")
 
 
 def _api_keys(folder: Path, specs: list[str]) -> dict[str, str]:
@@ -89,8 +105,8 @@ def _api_keys(folder: Path, specs: list[str]) -> dict[str, str]:
     return keys
 
 
-def rotate(folder: Path | None) -> int:
-    """``omniflow certs rotate``: see the module docstring."""
+def rotate(folder: Path | None, ca: bool = False, wait_s: float = 10.0, one: bool = False) -> int:
+    """``omniflow certs rotate [--ca]``: see the module docstring."""
     if folder is None:
         from omniflow.cli.local import run_dir
         from omniflow.security.local import PKI_DIR
@@ -98,6 +114,16 @@ def rotate(folder: Path | None) -> int:
         folder = run_dir() / PKI_DIR
     if not (folder / CA_CERT).is_file():
         raise InvalidArgument(f"no CA in {folder} ({CA_CERT}): nothing to rotate; see --dir")
+    if ca:
+
+        def report(done: str, renewed: list[str]) -> None:
+            print(json.dumps({"folder": str(folder), "ca_step": done, "renewed": renewed}))
+
+        if one:
+            report(*ca_rotation.step(folder))
+        else:
+            ca_rotation.rotate_ca(folder, wait_s, report)
+        return 0
     renewed = renew_all(folder)
     print(json.dumps({"folder": str(folder), "renewed": [c.identity.uri for c in renewed]}))
     return 0
@@ -105,7 +131,7 @@ def rotate(folder: Path | None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "rotate":
-        return rotate(args.dir)
+        return rotate(args.dir, args.ca, args.wait_s, args.step)
     if args.dir is None:
         raise InvalidArgument("omniflow certs: --dir is required (the folder to write)")
     if args.keep and (args.dir / "ca.pem").is_file() and (args.dir / TOKENS_FILE).is_file():

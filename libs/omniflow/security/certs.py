@@ -24,6 +24,8 @@ from omniflow.security.identity import Identity
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
+#: The next CA while the CA itself is rotated (``omniflow.security.ca_rotation``).
+CA_NEXT_CERT, CA_NEXT_KEY = "ca-next.pem", "ca-next.key"
 VALID_DAYS = 365
 
 
@@ -78,8 +80,14 @@ def ensure_ca(folder: Path) -> tuple[Path, Path]:
     cert_path, key_path = folder / CA_CERT, folder / CA_KEY
     if cert_path.exists() and key_path.exists():
         return cert_path, key_path
+    make_ca(cert_path, key_path, "omniflow local CA")
+    return cert_path, key_path
+
+
+def make_ca(cert_path: Path, key_path: Path, common: str) -> None:
+    """A new self-signed CA named ``common`` into ``cert_path`` / ``key_path``."""
     key = ec.generate_private_key(ec.SECP256R1())
-    name = _name("omniflow local CA")
+    name = _name(common)
     start, end = _window()
     cert = (
         x509.CertificateBuilder()
@@ -104,11 +112,11 @@ def ensure_ca(folder: Path) -> tuple[Path, Path]:
             ),
             critical=True,
         )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
         .sign(key, hashes.SHA256())
     )
     _write_key(key_path, key)
     _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM))
-    return cert_path, key_path
 
 
 def _sans(identity: Identity, dns: tuple[str, ...]) -> list[x509.GeneralName]:
@@ -127,13 +135,20 @@ def _sans(identity: Identity, dns: tuple[str, ...]) -> list[x509.GeneralName]:
     return names
 
 
-def issue(folder: Path, identity: Identity, dns: tuple[str, ...] = ()) -> IssuedCert:
-    """A certificate and key for ``identity`` signed by the CA in ``folder``.
+def issue(
+    folder: Path,
+    identity: Identity,
+    dns: tuple[str, ...] = (),
+    ca: tuple[Path, Path] | None = None,
+) -> IssuedCert:
+    """A certificate and key for ``identity`` signed by the CA in ``folder`` (or by ``ca``,
+    its cert and key paths: the next CA while the CA itself is rotated).
 
     Written as ``<file_stem>.pem`` / ``<file_stem>.key``; an existing pair is replaced.
     Usable as a server and as a client certificate (mutual TLS).
     """
-    ca_cert_path, ca_key_path = ensure_ca(folder)
+    ca_cert_path, ca_key_path = ca or ensure_ca(folder)
+    # The first certificate of the file: ca.pem is a bundle while the CA is rotated.
     ca_cert = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
     ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -148,6 +163,10 @@ def issue(folder: Path, identity: Identity, dns: tuple[str, ...] = ()) -> Issued
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectAlternativeName(_sans(identity, dns)), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]
+            critical=False,
+        )
         .add_extension(
             x509.ExtendedKeyUsage(
                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
@@ -177,17 +196,25 @@ def extra_names(cert_path: Path) -> tuple[str, ...]:
     return tuple(n for n in names if n not in always)
 
 
-def renew_all(folder: Path) -> list[IssuedCert]:
-    """A new key and certificate, signed by the same CA, for every identity certificate in
-    ``folder`` (``omniflow certs rotate``); names and identities are kept."""
+def identity_certs(folder: Path) -> list[Path]:
+    """The identity certificates of ``folder``: every ``.pem`` with its ``.key`` but a CA's."""
+    return [
+        p
+        for p in sorted(folder.glob("*.pem"))
+        if p.name not in (CA_CERT, CA_NEXT_CERT) and p.with_suffix(".key").is_file()
+    ]
+
+
+def renew_all(folder: Path, ca: tuple[Path, Path] | None = None) -> list[IssuedCert]:
+    """A new key and certificate, signed by the same CA (or by ``ca``: see ``issue``), for
+    every identity certificate in ``folder`` (``omniflow certs rotate``); names and
+    identities are kept."""
     from omniflow.security.transport import identity_of_pem
 
     renewed = []
-    for cert_path in sorted(folder.glob("*.pem")):
-        if cert_path.name == CA_CERT or not (cert_path.with_suffix(".key")).is_file():
-            continue
+    for cert_path in identity_certs(folder):
         identity = identity_of_pem(cert_path.read_bytes())
-        issued = issue(folder, identity, extra_names(cert_path))
+        issued = issue(folder, identity, extra_names(cert_path), ca)
         if issued.cert != cert_path:  # a file named otherwise: keep the name services read
             issued.cert.replace(cert_path)
             issued.key.replace(cert_path.with_suffix(".key"))
