@@ -1,23 +1,39 @@
-"""One OpenAI-API load generator against (a) the Omni-Flow gateway and (b) vLLM's own
-OpenAI server, the same model folder (SmolLM2-135M-Instruct, bfloat16), prefix caching on
-in both; plus what the gateway adds over calling the worker's gRPC Generate directly.
+"""One OpenAI-API load generator against Omni-Flow's gateway (the default topology's two llm
+workers, one llm worker, and vLLM's engine behind the gateway) and vLLM's own OpenAI server,
+the same model folder (SmolLM2-135M-Instruct, bfloat16), prefix caching on in all; plus what
+the gateway adds over calling the worker's gRPC Generate directly.
 
-    python bench/serve_openai.py                       # everything (a few minutes)
-    python bench/serve_openai.py --concurrency 1,4 --skip-vllm
+    python bench/serve_openai.py                       # the whole table (<= 15 min, quiet)
+    python bench/serve_openai.py --concurrency 1,4 --aiperf-requests 4 --requests 4 \
+        --systems one,vllm --parts load,overhead --overhead-samples 10   # a 2-minute smoke
     python bench/serve_openai.py --parts cross --engine vllm   # two workers, vLLM engine
-    python bench/serve_openai.py --parts load --aiperf          # plus aiperf's fixed-length rows
 
-The servers are started by ``serve_stack.py``, this module generates the load and prints
-the table. It starts and stops everything itself, by PID: for Omni-Flow a private Redis, kv-index,
-kv-agent, router (llm=kv_aware), one llm worker and the gateway; then vLLM's
-`vllm.entrypoints.openai.api_server` from its own virtualenv (``--vllm-python``) with
-``VLLM_CPU_KVCACHE_SPACE=2``. The two servers run one after the other, each with every
-core. Workloads (streamed chat, ``stream_options.include_usage``, greedy):
+Interleaved, level by level: every system of ``--systems`` is started first and stays up
+(an idle server costs nothing here: no step runs without a request), then each concurrency
+level runs on each system in turn, the order rotated from level to level, so that a slow
+minute of a shared machine falls on all of them alike; each system has every core while it
+runs. The systems (``serve_stack.py`` starts and stops them, by PID, each in a run folder of
+its own):
 
-* load: concurrency 1, 4, 16, ``2 x concurrency`` requests (at least 4) of distinct
-  questions, ``--max-tokens`` each: TTFT p50/p99, ITL p50, output tokens/s;
-* multi-turn chat: ``--conversations`` concurrent conversations of ``--turns`` turns, each
-  turn sending the whole history: TTFT p50 of the later turns and their cached share;
+* ``default``: Omni-Flow as ``omniflow up`` sizes it: two llm workers with half the cores
+  each (``--threads`` split), kv_aware router, kv-index, kv-agent, private Redis, gateway;
+* ``one``: the same with one llm worker of ``--threads`` threads;
+* ``vllm-engine``: one llm worker hosting vLLM's engine (``OMNIFLOW_WORKER_ENGINE=vllm``,
+  run from vLLM's virtualenv, its KV connector storing pages at the kv-agent);
+* ``vllm``: vLLM's ``vllm.entrypoints.openai.api_server`` from ``--vllm-python`` with
+  ``VLLM_CPU_KVCACHE_SPACE=2``.
+
+Load per level (concurrency 1, 4, 16): aiperf (``aiperf_rows.py``, its own venv from
+``scripts/setup_aiperf_venv.sh``; ``--no-aiperf`` leaves it out) sends streamed chats of
+``--aiperf-isl`` (256) synthetic prompt tokens asked for ``--aiperf-osl`` (64) tokens with
+``ignore_eos``, so every server writes exactly that many: TTFT p50/p99, ITL p50, output tok/s
+and the lengths and errors aiperf counted; beside it this script's own client (the
+``openai`` SDK, ``stream_options.include_usage``, greedy, ``ignore_eos``, ``--max-tokens``
+each, ``max(--requests, 2 x concurrency)`` distinct questions). The table gives, per system
+and level, ours / vLLM's server as the issue's rows do. Then, one system after another:
+
+* multi-turn chat (``chat``): ``--conversations`` concurrent conversations of ``--turns``
+  turns, each turn sending the whole history: TTFT p50 of the later turns, cached share;
 * multi-turn across two workers (``cross``): the same conversations, turn ``t`` on worker
   ``t % 2``. Omni-Flow runs two nodes (a kv-agent and an llm worker each, one kv-index;
   the gateway reaches each worker by a model name of its own, over the same weights), so
@@ -25,18 +41,13 @@ core. Workloads (streamed chat, ``stream_options.include_usage``, greedy):
   vLLM's baseline is two of its OpenAI servers with the turns alternating between them
   (round robin): its prefix cache cannot cross servers, so the later turns recompute.
   Each worker or server gets ``--cross-threads`` threads (default half the cores);
-* fixed-length rows by aiperf (``--aiperf``; ``aiperf_rows.py``, its own venv from
-  ``scripts/setup_aiperf_venv.sh``): per concurrency level, ``--aiperf-requests`` streamed
-  chats of ``--aiperf-isl`` synthetic prompt tokens asked for ``--aiperf-osl`` tokens with
-  ``ignore_eos``, so both servers write exactly that many: TTFT p50/p99, ITL p50, output
-  tok/s, and the output lengths and errors aiperf counted;
 * gateway overhead: the same 1-token chat through the gateway (raw HTTP, no SDK) and as
   token ids straight to the worker's ``Generate``, interleaved: the median paired
   difference of time to first token, with the router's Pick and the template+tokenize
-  step timed alone for the breakdown. The worker here is the echo TEST worker
-  (``omniflow.testing.echo_worker``, no compute: it answers at once), registered as model
-  ``echo`` with SmolLM2's tokenizer, so that the model's step time (tens of ms, noisy on
-  a shared machine) does not drown the gateway's own cost.
+  step timed alone for the breakdown. The worker here is the echo TEST worker (no
+  compute: it answers at once), registered as model ``echo`` with SmolLM2's tokenizer,
+  so that the model's step time (tens of ms, noisy on a shared machine) does not drown
+  the gateway's own cost. ``bench/serve_breakdown.py`` times every step of one request.
 """
 
 from __future__ import annotations
@@ -57,11 +68,14 @@ from serve_stack import (
     MODEL,
     Omniflow,
     Procs,
+    Running,
     load_avg,
     start_echo,
     start_omniflow,
+    start_system,
     start_vllm,
 )
+from serve_table import LABEL, table
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
@@ -116,7 +130,11 @@ class Sample:
 
 
 async def one_chat(
-    client: AsyncOpenAI, messages: list[dict], max_tokens: int, model: str = MODEL
+    client: AsyncOpenAI,
+    messages: list[dict],
+    max_tokens: int,
+    model: str = MODEL,
+    ignore_eos: bool = False,
 ) -> Sample:
     s = Sample()
     start = time.perf_counter()
@@ -129,6 +147,7 @@ async def one_chat(
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True} if ignore_eos else None,
     )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -148,15 +167,20 @@ async def one_chat(
     return s
 
 
-async def load_level(url: str, conc: int, max_tokens: int, offset: int) -> dict[str, float]:
+async def load_level(
+    url: str, conc: int, max_tokens: int, offset: int, requests: int = 4
+) -> dict[str, float]:
+    """``max(requests, 2 x conc)`` distinct questions, ``conc`` at once, each answer exactly
+    ``max_tokens`` long (``ignore_eos``)."""
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600)
-    n = max(4, 2 * conc)
+    n = max(requests, 2 * conc)
     sem = asyncio.Semaphore(conc)
 
     async def run(i: int) -> Sample:
         q = QUESTIONS[(offset + i) % len(QUESTIONS)]
+        msgs = [{"role": "user", "content": f"{q} ({offset}.{i})"}]
         async with sem:
-            return await one_chat(client, [{"role": "user", "content": f"{q} ({i})"}], max_tokens)
+            return await one_chat(client, msgs, max_tokens, ignore_eos=True)
 
     start = time.perf_counter()
     samples = await asyncio.gather(*(run(i) for i in range(n)))
@@ -329,28 +353,29 @@ async def overhead(of: Omniflow, folder: Path, samples: int) -> dict[str, float]
     }
 
 
-async def workloads(url: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    # Warm-up: first-call costs (graph capture, allocator, connection) out of the figures.
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600)
+SYSTEMS = ("default", "one", "vllm-engine", "vllm")
+
+
+async def warm(url: str) -> None:
+    """First-call costs (compilation, allocator, connection) out of the figures."""
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=900)
     for q in QUESTIONS[:2]:
-        await one_chat(client, [{"role": "user", "content": q}], 4)
+        await one_chat(client, [{"role": "user", "content": q}], 8, ignore_eos=True)
     await client.close()
-    out: dict[str, dict[str, float]] = {}
-    for i, conc in enumerate(args.concurrency if "load" in args.parts else ()):
-        out[f"c{conc}"] = await load_level(url, conc, args.max_tokens, offset=7 * i)
-        print(f"  concurrency {conc}: {out[f'c{conc}']}  (load {load_avg()})", flush=True)
-    for conc in args.concurrency if args.aiperf else ():
-        row = await asyncio.to_thread(
-            aiperf_rows.profile, url, MODEL, args.tokenizer, concurrency=conc,
-            requests=args.aiperf_requests, isl=args.aiperf_isl, osl=args.aiperf_osl,
+
+
+def level_on(url: str, conc: int, args: argparse.Namespace, offset: int) -> dict[str, dict]:
+    """One concurrency level on one server: this script's client, then aiperf."""
+    out: dict[str, dict] = {}
+    if "load" in args.parts:
+        out["sdk"] = asyncio.run(load_level(url, conc, args.max_tokens, offset, args.requests))
+    if args.aiperf:
+        row = aiperf_rows.profile(
+            url, MODEL, args.tokenizer, concurrency=conc,
+            requests=max(args.aiperf_requests, 2 * conc), isl=args.aiperf_isl,
+            osl=args.aiperf_osl,
         )  # fmt: skip
-        out[f"aiperf c{conc}"] = row.as_dict()
-        print(f"  aiperf concurrency {conc}: {row}  (load {load_avg()})", flush=True)
-    if "chat" in args.parts:
-        out["chat"] = await multi_turn(
-            [(url, MODEL)], args.conversations, args.turns, args.chat_max_tokens
-        )
-        print(f"  multi-turn: {out['chat']}  (load {load_avg()})", flush=True)
+        out["aiperf"] = row.as_dict()
     return out
 
 
@@ -369,72 +394,6 @@ async def cross_workload(
     return out
 
 
-def table(ours: dict, ref: dict, over: dict | None, loads: list[str], args) -> str:
-    rows = [("workload", "metric", "omni-flow", "vLLM", "ours/vLLM")]
-
-    def add(work: str, metric: str, key: str, fmt: str = "{:.1f}") -> None:
-        a = ours.get(work, {}).get(key)
-        b = ref.get(work, {}).get(key)
-        ratio = f"{a / b:.2f}x" if a is not None and b else "-"
-        rows.append(
-            (
-                work,
-                metric,
-                fmt.format(a) if a is not None else "-",
-                fmt.format(b) if b is not None else "-",
-                ratio,
-            )
-        )
-
-    for conc in args.concurrency if "load" in args.parts else ():
-        w = f"c{conc}"
-        add(w, "TTFT p50 ms", "ttft_p50")
-        add(w, "TTFT p99 ms", "ttft_p99")
-        add(w, "ITL p50 ms", "itl_p50")
-        add(w, "output tok/s", "tok_s")
-    for conc in args.concurrency if args.aiperf else ():
-        w = f"aiperf c{conc}"
-        add(w, f"TTFT p50 ms (isl {args.aiperf_isl})", "ttft_p50")
-        add(w, "TTFT p99 ms", "ttft_p99")
-        add(w, "ITL p50 ms", "itl_p50")
-        add(w, f"output tok/s (osl {args.aiperf_osl})", "tok_s")
-        add(w, "completion tokens min", "completion_min", "{:.0f}")
-        add(w, "completion tokens max", "completion_max", "{:.0f}")
-        add(w, "aiperf's length mismatches", "osl_mismatches", "{:.0f}")
-        add(w, "errors", "errors", "{:.0f}")
-    for work, what in (("chat", ""), ("cross", "2 workers: ")):
-        if work in args.parts:
-            add(work, f"{what}later-turn TTFT p50 ms", "ttft_p50")
-            add(work, f"{what}later-turn cached %", "cached_pct")
-            add(work, f"{what}wall s", "wall_s")
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    if over:
-        lines += [
-            "",
-            "gateway overhead (1-token chat, paired with the worker's gRPC Generate; echo "
-            "TEST worker, no compute):",
-            f"  TTFT p50 via gateway {over['gateway_ttft_p50']:.2f} ms, direct "
-            f"{over['direct_ttft_p50']:.2f} ms; added p50 {over['added_p50']:.2f} ms, "
-            f"p90 {over['added_p90']:.2f} ms (target <= 1 ms p50)",
-            f"  of which: router Pick (kv_aware, with the index's prefix match) p50 "
-            f"{over['pick_p50']:.2f} ms (round_robin {over['pick_rr_p50']:.2f} ms), "
-            f"template+tokenize+hashes p50 {over['tokenize_p50']:.2f} ms, an HTTP round trip "
-            f"(GET /health) p50 {over['health_p50']:.2f} ms",
-        ]
-    if "cross" in args.parts:
-        lines += [
-            "",
-            f"2 workers: turn t of each conversation on worker t % 2, {args.cross_threads} "
-            "thread(s) each. Omni-Flow: two nodes (a kv-agent and an llm worker each, one "
-            "kv-index), the gateway told the worker by model name; vLLM: two OpenAI servers "
-            "with prefix caching, the turns alternating between them (round robin), whose "
-            "prefix caches cannot reach each other.",
-        ]
-    lines += ["", f"load average (1/5/15 min): {' | '.join(loads)}"]
-    return "\n".join(lines)
-
-
 PARTS = ("load", "chat", "overhead", "cross")
 
 
@@ -443,7 +402,8 @@ def main() -> int:
     ap.add_argument(
         "--concurrency", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")]
     )
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64, help="own client's output tokens")
+    ap.add_argument("--requests", type=int, default=8, help="own client's requests per level")
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--chat-max-tokens", type=int, default=24)
@@ -457,101 +417,129 @@ def main() -> int:
     )
     ap.add_argument(
         "--parts",
-        default=",".join(PARTS),
+        default="load,overhead",
         type=lambda s: [x for x in s.split(",") if x],
-        help=f"which workloads, of {','.join(PARTS)}",
+        help=f"which workloads, of {','.join(PARTS)} (aiperf's rows: --no-aiperf)",
     )
-    ap.add_argument("--aiperf", action="store_true", help="add aiperf's fixed-length rows")
-    ap.add_argument("--aiperf-isl", type=int, default=128, help="aiperf prompt tokens")
-    ap.add_argument("--aiperf-osl", type=int, default=32, help="aiperf output tokens (exact)")
-    ap.add_argument("--aiperf-requests", type=int, default=16, help="per concurrency level")
+    ap.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        type=lambda s: [x for x in s.split(",") if x],
+        help=f"which servers, of {','.join(SYSTEMS)}",
+    )
+    ap.add_argument("--no-aiperf", dest="aiperf", action="store_false", help="no aiperf rows")
+    ap.add_argument("--aiperf-isl", type=int, default=256, help="aiperf prompt tokens")
+    ap.add_argument("--aiperf-osl", type=int, default=64, help="aiperf output tokens (exact)")
+    ap.add_argument(
+        "--aiperf-requests", type=int, default=16, help="per level (at least 2 x concurrency)"
+    )
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM)
-    ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument(
         "--engine",
         choices=("torch", "vllm"),
         default="torch",
-        help="the engine behind the Omni-Flow gateway: built-in, or vLLM's (from --vllm-python)",
+        help="the engine behind the gateway in the cross part: built-in, or vLLM's",
     )
-    ap.add_argument("--skip-omniflow", action="store_true", help="vLLM only")
     ap.add_argument("--models-dir", type=Path, default=Path("~/.cache/omniflow/models"))
     args = ap.parse_args()
     unknown = set(args.parts) - set(PARTS)
     if unknown:
         ap.error(f"--parts: unknown {sorted(unknown)}; accepted: {','.join(PARTS)}")
+    if set(args.systems) - set(SYSTEMS):
+        ap.error(f"--systems: unknown {sorted(set(args.systems) - set(SYSTEMS))}; accepted: "
+                 f"{','.join(SYSTEMS)}")  # fmt: skip
 
     from omniflow.models.resolve import resolve_model
 
     folder = resolve_model(MODEL, args.models_dir.expanduser())
     args.tokenizer = folder  # aiperf's synthetic prompts are counted in the model's tokens
     if args.aiperf and aiperf_rows.find_aiperf() is None:
-        ap.error(
-            f"--aiperf: no aiperf at {aiperf_rows.DEFAULT_AIPERF}; scripts/setup_aiperf_venv.sh"
-        )
-    single = bool({"load", "chat", "overhead"} & set(args.parts))
+        ap.error(f"no aiperf at {aiperf_rows.DEFAULT_AIPERF}: scripts/setup_aiperf_venv.sh "
+                 "(or --no-aiperf)")  # fmt: skip
+    names = list(args.systems)
+    if not args.vllm_python.exists():
+        print(f"no vLLM at {args.vllm_python}: vllm and vllm-engine skipped "
+              "(scripts/setup_vllm_venv.sh)")  # fmt: skip
+        names = [n for n in names if n not in ("vllm", "vllm-engine")]
     loads = [f"start {load_avg()}"]
-    ours: dict = {}
-    ref: dict = {}
+    res: dict[str, dict] = {n: {} for n in names}
     over = None
     tmp = Path(tempfile.mkdtemp(prefix="omniflow-serve-bench-"))
-    procs = Procs(tmp)
-    redis = None
-
-    def stop() -> None:
-        nonlocal redis
-        procs.stop()  # the topology running now (the cross part starts its own)
-        if redis is not None:
-            redis.stop()  # type: ignore[attr-defined]
-            redis = None
-
+    up: list[Running] = []
     try:
-        if not args.skip_omniflow and single:
-            print(
-                f"Omni-Flow gateway ({folder}, bfloat16, {args.threads} threads, "
-                f"engine {args.engine}) ..."
-            )
-            of, redis = start_omniflow(procs, folder, args.threads, args.engine, args.vllm_python)
-            ours = asyncio.run(workloads(of.url, args))
-            if "overhead" in args.parts:
-                over = asyncio.run(overhead(start_echo(procs, of), folder, args.overhead_samples))
+        if {"load", "chat", "overhead"} & set(args.parts) or args.aiperf:
+            for name in names:
+                print(f"starting {LABEL[name]} ({folder}, bfloat16) ...", flush=True)
+                up.append(start_system(name, tmp, folder, args.threads, args.vllm_python))
+                asyncio.run(warm(up[-1].url))
+            loads.append(f"all up {load_avg()}")
+            for li, conc in enumerate(args.concurrency if ("load" in args.parts or
+                                                           args.aiperf) else ()):  # fmt: skip
+                order = up[li % len(up) :] + up[: li % len(up)]  # rotated per level
+                for sys_ in order:
+                    got = level_on(sys_.url, conc, args, offset=7 * li)
+                    res[sys_.name][f"c{conc}"] = got
+                    print(f"  {LABEL[sys_.name]}, concurrency {conc}: {got}  "
+                          f"(load {load_avg()})", flush=True)  # fmt: skip
+                loads.append(f"after concurrency {conc} {load_avg()}")
+            for sys_ in up if "chat" in args.parts else ():
+                chat = multi_turn(
+                    [(sys_.url, MODEL)], args.conversations, args.turns, args.chat_max_tokens
+                )
+                res[sys_.name]["chat"] = asyncio.run(chat)
+                print(f"  {LABEL[sys_.name]} multi-turn: {res[sys_.name]['chat']}", flush=True)
+            ours = [r for r in up if r.of is not None and r.name != "vllm-engine"]
+            if "overhead" in args.parts and ours:
+                of = start_echo(ours[-1].procs, ours[-1].of)
+                over = asyncio.run(overhead(of, folder, args.overhead_samples))
                 print(f"  overhead: {over}", flush=True)
-            loads.append(f"after omni-flow {load_avg()}")
-            stop()
-        if not args.skip_omniflow and "cross" in args.parts:
-            print(f"Omni-Flow, two nodes (engine {args.engine}, {args.cross_threads} threads each)")
-            (tmp / "cross").mkdir()
-            procs = Procs(tmp / "cross")  # a run folder of its own: no state of the first
-            nodes = ("node-a", "node-b")
-            of, redis = start_omniflow(
-                procs, folder, args.cross_threads, args.engine, args.vllm_python, nodes
-            )
-            ours |= asyncio.run(cross_workload([(of.url, of.models[n]) for n in nodes], args))
-            loads.append(f"after omni-flow 2 workers {load_avg()}")
-            stop()
-        if not args.skip_vllm:
-            if not args.vllm_python.exists():
-                print(f"no vLLM at {args.vllm_python}: skipped (scripts/setup_vllm_venv.sh)")
-            else:
-                if single:
-                    print("vLLM OpenAI server ...", flush=True)
-                    url = start_vllm(procs, folder, args.vllm_python, args.threads)
-                    ref = asyncio.run(workloads(url, args))
-                    loads.append(f"after vLLM {load_avg()}")
-                    stop()
-                if "cross" in args.parts:
-                    print("two vLLM OpenAI servers, round robin ...", flush=True)
-                    urls = [
-                        start_vllm(procs, folder, args.vllm_python, args.cross_threads, name)
-                        for name in ("vllm-a", "vllm-b")
-                    ]
-                    ref |= asyncio.run(cross_workload([(u, MODEL) for u in urls], args))
-                    loads.append(f"after vLLM 2 servers {load_avg()}")
+        for r in up:
+            r.stop()
+        up.clear()
+        if "cross" in args.parts:
+            cross_part(res, tmp, folder, args, loads)
     finally:
-        stop()
+        for r in up:
+            r.stop()
     print()
-    print(table(ours, ref, over, loads, args))
+    print(table(res, names, over, loads, args))
     print(f"\nlogs: {tmp}")
     return 0
+
+
+def cross_part(res: dict, tmp: Path, folder: Path, args, loads: list[str]) -> None:
+    """Two workers (or two vLLM servers), one system after the other."""
+    print(f"Omni-Flow, two nodes (engine {args.engine}, {args.cross_threads} threads each)")
+    (tmp / "cross").mkdir()
+    procs = Procs(tmp / "cross")
+    redis = None
+    try:
+        nodes = ("node-a", "node-b")
+        of, redis = start_omniflow(
+            procs, folder, args.cross_threads, args.engine, args.vllm_python, nodes
+        )
+        got = asyncio.run(cross_workload([(of.url, of.models[n]) for n in nodes], args))
+        res.setdefault("one", {})["cross"] = got["cross"]
+        loads.append(f"after omni-flow 2 workers {load_avg()}")
+    finally:
+        procs.stop()
+        if redis is not None:
+            redis.stop()  # type: ignore[attr-defined]
+    if "vllm" not in args.systems or not args.vllm_python.exists():
+        return
+    print("two vLLM OpenAI servers, round robin ...", flush=True)
+    (tmp / "cross-vllm").mkdir()
+    procs = Procs(tmp / "cross-vllm")
+    try:
+        urls = [
+            start_vllm(procs, folder, args.vllm_python, args.cross_threads, name)
+            for name in ("vllm-a", "vllm-b")
+        ]
+        got = asyncio.run(cross_workload([(u, MODEL) for u in urls], args))
+        res.setdefault("vllm", {})["cross"] = got["cross"]
+        loads.append(f"after vLLM 2 servers {load_avg()}")
+    finally:
+        procs.stop()
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ def start_omniflow(
     engine: str = "torch",
     vllm_python: Path | None = None,
     nodes: tuple[str, ...] = ("bench",),
+    llm_workers: int = 1,
 ) -> tuple[Omniflow, object]:
     """The topology behind the gateway; ``engine`` "vllm" hosts vLLM's engine in the worker
     (run from vLLM's own virtualenv, as ``OMNIFLOW_WORKER_PYTHON`` does in ``omniflow up``).
@@ -127,7 +128,8 @@ def start_omniflow(
     With several ``nodes``, each node gets a kv-agent and one llm worker (``threads`` torch
     threads each) serving the model under a name of its own, ``<model>-<node>`` (a symlink
     to the same folder: same weights, same KV namespace), so that a client chooses the
-    node of each request by the model it names while the KV cache stays shared."""
+    node of each request by the model it names while the KV cache stays shared. With one
+    node, ``llm_workers`` llm workers serve the model under its own name (the router picks)."""
     redis = start_redis(dir=procs.dir / "redis")
     base = {"OMNIFLOW_REDIS_URL": redis.url, "OMNIFLOW_DISCOVERY": "redis"}
     index = procs.service("omniflow_services.kv_index", "kv-index", base)["address"]
@@ -182,15 +184,13 @@ def start_omniflow(
             "OMNIFLOW_WORKER_TORCH_THREADS": str(threads),
             "OMP_NUM_THREADS": str(threads),
         }
-        workers.append(
-            procs.service(
-                "omniflow_services.worker",
-                f"llm{suffix or '-1'}",
-                worker_env,
-                timeout_s=900,
-                python=python,
+        names = [f"llm{suffix}"] if suffix else [f"llm-{k + 1}" for k in range(llm_workers)]
+        for name in names:
+            workers.append(
+                procs.service(
+                    "omniflow_services.worker", name, worker_env, timeout_s=900, python=python
+                )
             )
-        )
     # The echo worker's model ("echo") resolves to SmolLM2's folder in the gateway.
     echo = models_dir / "echo"
     if not echo.is_symlink():  # a second topology of the same run reuses it
@@ -258,3 +258,46 @@ def start_vllm(procs: Procs, folder: Path, python: Path, threads: int, name: str
             pass
         time.sleep(1)
     raise RuntimeError(f"vLLM not up after 900 s; see {procs.dir / (name + '.log')}")
+
+
+@dataclass
+class Running:
+    """One system under test of ``serve_openai.py``, up until its interleaved part ends."""
+
+    name: str
+    url: str
+    procs: Procs
+    redis: object | None = None
+    of: Omniflow | None = None
+
+    def stop(self) -> None:
+        self.procs.stop()
+        if self.redis is not None:
+            self.redis.stop()  # type: ignore[attr-defined]
+            self.redis = None
+
+
+def start_system(
+    name: str, root: Path, folder: Path, threads: int, vllm_python: Path | None
+) -> Running:
+    """``default`` (two llm workers, half the threads each, as ``omniflow up`` sizes them),
+    ``one`` (one llm worker), ``vllm-engine`` (vLLM's engine in the worker) or ``vllm`` (vLLM's
+    own server), in a run folder of its own under ``root``."""
+    (root / name).mkdir()
+    procs = Procs(root / name)
+    try:
+        if name == "vllm":
+            assert vllm_python is not None
+            return Running(name, start_vllm(procs, folder, vllm_python, threads), procs)
+        workers, per_worker, engine = {
+            "default": (2, max(1, threads // 2), "torch"),
+            "one": (1, threads, "torch"),
+            "vllm-engine": (1, threads, "vllm"),
+        }[name]
+        of, redis = start_omniflow(
+            procs, folder, per_worker, engine, vllm_python, llm_workers=workers
+        )
+        return Running(name, of.url, procs, redis, of)
+    except BaseException:
+        procs.stop()
+        raise
