@@ -1,16 +1,16 @@
 """Chaos bench: SIGKILL each service of a supervised local topology in turn under load.
 
-    .venv/bin/python bench/chaos.py [--per-phase 34] [--window 10] [--model M | --echo]
+    .venv/bin/python bench/chaos.py [--per-phase 30] [--window 30] [--replicas 2]
+        [--model M | --echo] [--targets none,llm-1,...]
 
-Starts ``omniflow up`` (``--replicas`` routers and coordinators; two real llm workers
-serving ``--model``, SmolLM2-135M-Instruct by default, greedy, ``--max-tokens`` per
-request — or, with ``--echo``, echo TEST workers whose requests cost almost nothing) in a
-temporary run folder, records the answers (greedy: the same prompt, the same text), then
-for each of llm-1, kv-agent, router, coordinator, kv-index and Redis: sends
+Starts ``omniflow up`` (``--replicas`` routers and coordinators, 2 by default; two real
+llm workers serving ``--model``, SmolLM2-135M-Instruct by default, greedy, ``--max-tokens``
+per request — or, with ``--echo``, echo TEST workers whose requests cost almost nothing)
+in a temporary run folder, records the answers (greedy: the same prompt, the same text),
+then for each of llm-1, kv-agent, router, coordinator, kv-index and Redis: sends
 ``--per-phase`` requests (in turn: workflow runs by the Python client, direct generations
-through the router's proxy, completions and workflow-model chat turns through the
-gateway), SIGKILLs the
-service a third of the way in, and counts how the requests ended (see
+through the router's proxy, completions, llm chats and workflow-model chat turns through
+the gateway), SIGKILLs the service a third of the way in, and counts how the requests ended (see
 ``omniflow.testing.chaos``). Prints the table, the load average, and why each request
 that was not ok at the first try was not.
 """
@@ -30,7 +30,7 @@ from omniflow.testing.chaos import KILL_ORDER, NO_FAULT, chaos, table
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--per-phase", type=int, default=34, help="requests per killed service (6 x 34 ≈ 200)"
+        "--per-phase", type=int, default=30, help="requests per killed service (5 kinds x 6)"
     )
     p.add_argument("--model", default="smollm2-135m-instruct", help="model of the real llm workers")
     p.add_argument("--echo", action="store_true", help="echo TEST workers instead of a model")
@@ -49,7 +49,14 @@ def main() -> int:
         help=f"services to kill, in order ({NO_FAULT}: a control phase with the load, no kill)",
     )
     p.add_argument(
-        "--replicas", type=int, default=1, help="routers and coordinators each (1: no failover)"
+        "--replicas", type=int, default=2, help="routers and coordinators each (1: no failover)"
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=450.0,
+        help="seconds after which no further phase starts (the ones left are listed as skipped "
+        "and the exit status is 1): the default run ends within 10 minutes",
     )
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -65,6 +72,7 @@ def main() -> int:
                 model="" if args.echo else args.model,
                 max_tokens=args.max_tokens,
                 spacing_s=args.spacing,
+                budget_s=args.budget or None,
             )
         )
     phases, stuck = result.phases, result.stuck
@@ -73,6 +81,8 @@ def main() -> int:
     print(table(phases))
     for prompt, text in result.answers.items():  # what the workers answer
         print(f"  answer recorded before the faults: ...{prompt[-40:]!r} -> {text!r}")
+    if result.skipped:
+        print(f"\nskipped (past --budget {args.budget:.0f} s): {', '.join(result.skipped)}")
     print(f"\nruns left RUNNING after the adoption window: {len(stuck)}")
     print(f"processes omniflow down left behind: {len(result.left_behind)}")
     print(f"wall time {time.monotonic() - started:.0f} s; load average {os.getloadavg()}")
@@ -81,6 +91,7 @@ def main() -> int:
             print(f"  {phase.killed}: {note}")
     bad = (
         stuck
+        or result.skipped
         or result.left_behind
         or any(p.counts["lost"] or p.counts["wrong"] or p.recovery_s is None for p in phases)
     )

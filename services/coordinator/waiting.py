@@ -83,10 +83,16 @@ class WaitingCaller:
         wait = self.wait_s if req.timeout_s is None else min(self.wait_s, req.timeout_s)
         return asyncio.get_running_loop().time() + wait
 
-    def _waits(self, exc: OmniflowError, req: CallRequest) -> bool:
+    def _waits(self, exc: OmniflowError, req: CallRequest, exclude: tuple[str, ...]) -> bool:
         if isinstance(exc, Unavailable):  # no router answers (``routers.py`` waited already)
             return True
-        return isinstance(exc, NotFound) and req.role in self._seen and "no live worker" in str(exc)
+        # None left once the workers that failed this node are excluded: nothing to wait for.
+        return (
+            isinstance(exc, NotFound)
+            and not exclude
+            and req.role in self._seen
+            and "no live worker" in str(exc)
+        )
 
     async def _pause(self, delay: float, end: float, exc: OmniflowError, what: str) -> float:
         """Sleep ``delay`` (or raise ``exc`` if that passes ``end``); the next delay."""
@@ -102,7 +108,7 @@ class WaitingCaller:
             try:
                 target = await self.inner.pick(req, exclude)
             except OmniflowError as exc:
-                if self.wait_s <= 0 or not self._waits(exc, req):
+                if self.wait_s <= 0 or not self._waits(exc, req, exclude):
                     raise
                 delay = await self._pause(delay, end, exc, f"pick for {req.role}")
                 continue

@@ -6,11 +6,11 @@ an llm "generation" streams ``echo: <prompt>`` word by word — or, with ``model
 ``smollm2-135m-instruct``), real llm workers: the engine on real weights, greedy, a few
 tokens per request, sharing KV through the kv-agent. Load is a mix of workflow
 runs (client → coordinator → router → worker), direct generations (client → the
-router's worker proxy → worker), OpenAI completions (client → gateway → router's Pick →
-worker) and chat completions of the workflow model (client → gateway → coordinator → ...),
-all greedy, each checked against the answer recorded before any fault. One
-phase per service: while requests are in flight, that service is SIGKILLed; the
-supervisor restarts it with nobody's help.
+router's worker proxy → worker), OpenAI completions and chat completions of the llm model
+(client → gateway → router's Pick → worker) and chat completions of the workflow model
+(client → gateway → coordinator → ...), all greedy, each checked against the answer
+recorded before any fault. One phase per service: while requests are in flight, that
+service is SIGKILLed; the supervisor restarts it with nobody's help.
 
 Each request ends as one of:
 
@@ -230,6 +230,7 @@ class Load:
         self.expected: dict[str, str] = {}  # workflow answers, recorded before any fault
         self.expected_direct: dict[str, str] = {}  # direct answers (a real model's may differ)
         self.expected_gateway: dict[str, str] = {}  # completions through the gateway
+        self.expected_chat: dict[str, str] = {}  # chat completions of the llm model
         self.gateway_url = topo.addresses("gateway")[0]
         self.gateway_key = client_record(topo.run_dir).get("gateway_api_key", "")
         self.run_ids: list[str] = []
@@ -308,18 +309,22 @@ class Load:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
         return "lost", why
 
-    async def _complete_once(self, prompt: str, timeout_s: float, chat: bool = False) -> str:
-        """A completion of ``prompt`` by the gateway; ``chat``: a chat turn of the workflow
-        model (``workflow:chaos``, whose answer is the workflow's)."""
+    async def _complete_once(self, prompt: str, timeout_s: float, kind: str = "text") -> str:
+        """A completion of ``prompt`` by the gateway; ``kind`` "chat": a chat turn of the llm
+        model, "workflow": of the workflow model (``workflow:chaos``, whose answer is the
+        workflow's), else a text completion."""
         import httpx  # a test harness: the dev extra's HTTP client
 
+        chat = kind in ("chat", "workflow")
+        model = f"workflow:{WORKFLOW}" if kind == "workflow" else self.topo.served_model
+        body: dict[str, Any] = {"model": model}
         if chat:
             path = "/v1/chat/completions"
-            body: dict[str, Any] = {"model": f"workflow:{WORKFLOW}"}
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
-            path = "/v1/completions"
-            body = {"model": self.topo.served_model, "prompt": prompt, "temperature": 0.0}
+            path, body["prompt"] = "/v1/completions", prompt
+        if kind != "workflow":
+            body["temperature"] = 0.0
             if self.max_tokens:
                 body["max_tokens"] = self.max_tokens
         headers = {"authorization": f"Bearer {self.gateway_key}"} if self.gateway_key else {}
@@ -331,30 +336,34 @@ class Load:
         return str(choice["message"]["content"] if chat else choice["text"])
 
     async def gateway(
-        self, prompt: str, retries: int = RETRIES, chat: bool = False
+        self, prompt: str, retries: int = RETRIES, kind: str = "text"
     ) -> tuple[str, str]:
-        """(outcome, detail) of one completion through the gateway (``chat``: of the
-        workflow model); an answer that is not a 200 (or no answer) is retried with
+        """(outcome, detail) of one completion through the gateway (``kind``: see
+        ``_complete_once``); an answer that is not a 200 (or no answer) is retried with
         backoff, as a well-behaved client does."""
-        expected = self.expected[prompt] if chat else self.expected_gateway[prompt]
+        answers = {"workflow": self.expected, "chat": self.expected_chat}
+        expected = answers.get(kind, self.expected_gateway)[prompt]
         backoff = 0.25
         why = ""
         for attempt in range(retries + 1):
             try:
-                text = await self._complete_once(prompt, self.timeout_s, chat)
+                text = await self._complete_once(prompt, self.timeout_s, kind)
             except (GatewayError, OSError, TimeoutError, RuntimeError) as exc:
-                why = f"gateway{' workflow' if chat else ''}: {type(exc).__name__}: {exc}"
+                why = f"gateway {kind}: {type(exc).__name__}: {exc}"
                 if attempt < retries:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             if text != expected:
-                return "wrong", f"gateway: {text!r} != {expected!r}"
+                return "wrong", f"gateway {kind}: {text!r} != {expected!r}"
             return ("ok", "") if attempt == 0 else ("retried", why)
         return "lost", why
 
     async def gateway_workflow(self, prompt: str) -> tuple[str, str]:
-        return await self.gateway(prompt, chat=True)
+        return await self.gateway(prompt, kind="workflow")
+
+    async def gateway_chat(self, prompt: str) -> tuple[str, str]:
+        return await self.gateway(prompt, kind="chat")
 
     async def probe(self) -> tuple[bool, bool]:
         """One fresh request of each kind with no retry: (workflow ok, direct ok)."""
@@ -415,6 +424,7 @@ async def run_phase(
             load.workflow,
             load.direct,
             load.gateway,
+            load.gateway_chat,
             load.gateway_workflow,
         )
         kind = kinds[i % len(kinds)]
@@ -481,10 +491,14 @@ async def chaos(
     max_tokens: int = 8,
     spacing_s: float = 0.08,
     log: Callable[[str], None] = print,
+    budget_s: float | None = None,
 ) -> ChaosResult:
     """The whole run: up, record answers, one phase per target, check nothing is stuck,
     down. ``model``: real llm workers serving it (``max_tokens`` each request), else echo
-    workers."""
+    workers. A phase that would start past ``budget_s`` from the start is skipped (listed
+    in the result's ``skipped``)."""
+    end = None if budget_s is None else time.monotonic() + budget_s
+    skipped: list[str] = []
     topo = LocalTopology(root, replicas=replicas, model=model)
     topo.up()
     started = topo.all_pids()
@@ -510,8 +524,15 @@ async def chaos(
                 load.expected[prompt] = result.outputs["text"]
                 load.expected_direct[prompt] = await load._generate_once(prompt, load.timeout_s)
                 load.expected_gateway[prompt] = await load._complete_once(prompt, load.timeout_s)
+                load.expected_chat[prompt] = await load._complete_once(
+                    prompt, load.timeout_s, "chat"
+                )
             phases = []
             for target in targets:
+                if end is not None and time.monotonic() > end:
+                    log(f"phase {target}: skipped, past the time budget of {budget_s:.0f} s")
+                    skipped.append(target)
+                    continue
                 kill = "no kill (control)" if target == NO_FAULT else f"SIGKILL {target}"
                 log(f"phase: {kill} under load ...")
                 phase = await run_phase(
@@ -528,7 +549,7 @@ async def chaos(
         if secured:
             configure_security(None)
         left = _reap_leftovers(started, topo.run_dir)
-    return ChaosResult(phases, stuck, left, dict(load.expected))
+    return ChaosResult(phases, stuck, left, dict(load.expected), skipped)
 
 
 @dataclass(slots=True)
@@ -537,6 +558,7 @@ class ChaosResult:
     stuck: list[str]  # runs left RUNNING after the adoption window
     left_behind: list[int]  # PIDs ``omniflow down`` did not end (ended here, by PID)
     answers: dict[str, str] = field(default_factory=dict)  # prompt -> text, before any fault
+    skipped: list[str] = field(default_factory=list)  # targets past the time budget
 
 
 def _reap_leftovers(pids: set[int], run_dir: Path) -> list[int]:
