@@ -13,7 +13,8 @@ says anything about the operation itself:
 - UNAVAILABLE from the Pick itself (no router answers; ``routers.py`` waits for that one).
 
 :class:`WaitingCaller` wraps any :class:`~omniflow_services.coordinator.calls.WorkerCaller`
-and, on those answers, waits with backoff (``BACKOFF_S`` doubling to ``MAX_BACKOFF_S``)
+and, on those answers, waits with the library's backoff (``BACKOFF_S`` doubling to
+``MAX_BACKOFF_S``)
 and picks and calls again, for up to ``wait_s`` and never past the call's own deadline
 (``CallRequest.timeout_s``; the run engine's timeout around the call cuts it sooner). This
 is independent of the node's retry policy, which is for failures of the operation: with
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
+from omniflow.backoff import Backoff
 from omniflow.errors import NotFound, OmniflowError, Unavailable
 from omniflow_services.coordinator.calls import CallRequest, ChunkSink, Target, WorkerCaller
 
@@ -79,9 +82,9 @@ class WaitingCaller:
     def pick_reads(self, role: str, operation: str, strategy: int) -> tuple[str, ...]:
         return self.inner.pick_reads(role, operation, strategy)
 
-    def _end(self, req: CallRequest) -> float:
+    def _backoff(self, req: CallRequest) -> Backoff:
         wait = self.wait_s if req.timeout_s is None else min(self.wait_s, req.timeout_s)
-        return asyncio.get_running_loop().time() + wait
+        return Backoff(BACKOFF_S, MAX_BACKOFF_S, deadline=time.monotonic() + wait)
 
     def _waits(self, exc: OmniflowError, req: CallRequest, exclude: tuple[str, ...]) -> bool:
         if isinstance(exc, Unavailable):  # no router answers (``routers.py`` waited already)
@@ -94,29 +97,27 @@ class WaitingCaller:
             and "no live worker" in str(exc)
         )
 
-    async def _pause(self, delay: float, end: float, exc: OmniflowError, what: str) -> float:
-        """Sleep ``delay`` (or raise ``exc`` if that passes ``end``); the next delay."""
-        if asyncio.get_running_loop().time() + delay > end:
+    @staticmethod
+    async def _pause(backoff: Backoff, exc: OmniflowError, what: str) -> None:
+        """Sleep the next delay, or raise ``exc`` when it would pass the deadline."""
+        log.info("%s: %s; waiting for a worker", what, exc)
+        if not await backoff.wait():
             raise exc
-        log.info("%s: %s; waiting %.2f s for a worker", what, exc, delay)
-        await asyncio.sleep(delay)
-        return min(delay * 2, MAX_BACKOFF_S)
 
-    async def _pick(self, req: CallRequest, exclude: tuple[str, ...], end: float) -> Target:
-        delay = BACKOFF_S
+    async def _pick(self, req: CallRequest, exclude: tuple[str, ...], backoff: Backoff) -> Target:
         while True:
             try:
                 target = await self.inner.pick(req, exclude)
             except OmniflowError as exc:
                 if self.wait_s <= 0 or not self._waits(exc, req, exclude):
                     raise
-                delay = await self._pause(delay, end, exc, f"pick for {req.role}")
+                await self._pause(backoff, exc, f"pick for {req.role}")
                 continue
             self._seen.add(req.role)
             return target
 
     async def pick(self, req: CallRequest, exclude: tuple[str, ...]) -> Target:
-        return await self._pick(req, exclude, self._end(req))
+        return await self._pick(req, exclude, self._backoff(req))
 
     async def invoke(
         self, target: Target, req: CallRequest, on_chunk: ChunkSink | None
@@ -131,8 +132,7 @@ class WaitingCaller:
 
         picked: Target = target
         now: Target | None = target
-        end = self._end(req)
-        delay = BACKOFF_S
+        backoff = self._backoff(req)
         while True:
             try:
                 assert now is not None
@@ -143,11 +143,11 @@ class WaitingCaller:
                 try:
                     if passed or self.wait_s <= 0 or not restarting(exc):
                         raise
-                    delay = await self._pause(delay, end, exc, f"worker {now.worker_id}")
+                    await self._pause(backoff, exc, f"worker {now.worker_id}")
                     # The same worker once back (a restart keeps its address) or another.
                     await self.inner.report(now, False, 0.0, "UNAVAILABLE")
                     now = None  # reported: a pick that fails now leaves nothing to report
-                    now = await self._pick(req, (), end)
+                    now = await self._pick(req, (), backoff)
                 except OmniflowError:
                     self._move(picked, now)
                     raise

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from omniflow.backoff import Backoff
 from omniflow.chat import Preprocessor, acached_preprocessor
 from omniflow.errors import InvalidArgument, NotFound, OmniflowError, Unavailable
 from omniflow.prompt_size import check_prompt_size, ids_bytes, messages_bytes, text_bytes
@@ -46,24 +47,6 @@ WORKFLOW_PREFIX = "workflow:"
 DEFAULT_PAGE_SIZE = 16
 INLINE_CHARS = 1024  # prompts up to this many characters are tokenized on the loop
 MAX_ATTEMPTS = 3  # tries of one generation on workers that fail before its end
-
-
-class _Backoff:
-    """Waits of 50 ms doubling to 1 s for up to ``wait_s`` (OMNIFLOW_GATEWAY_FAILOVER_WAIT_S):
-    each call sleeps the next one and says True, or False once it would pass the end."""
-
-    def __init__(self, wait_s: float) -> None:
-        self.wait_s, self.delay = wait_s, 0.05
-        self.end: float | None = None
-
-    async def __call__(self) -> bool:
-        now = asyncio.get_running_loop().time()
-        self.end = now + self.wait_s if self.end is None else self.end
-        if now + self.delay > self.end:
-            return False
-        await asyncio.sleep(self.delay)
-        self.delay = min(self.delay * 2, 1.0)
-        return True
 
 
 T = TypeVar("T")
@@ -277,7 +260,7 @@ class GatewayCore:
         others = await self._exclude("llm", prep.workers)
         failed: tuple[str, ...] = ()
         ahead = prep.picked.pop(index, None)
-        wait = _Backoff(self.settings.failover_wait_s)
+        wait = Backoff.within(self.settings.failover_wait_s, 0.05, 1.0)
         for attempt in itertools.count():
             mine = {w.worker_id for w in prep.workers} - set(failed)
             picked = ahead or await self._pick(prep, others + (failed if mine else ()))
@@ -297,7 +280,7 @@ class GatewayCore:
             except Unavailable as exc:
                 self._report(picked, started, False, "UNAVAILABLE")
                 # Past its tries, a worker restarting (the model's only one) is waited for.
-                if sent or (attempt >= MAX_ATTEMPTS - 1 and not await wait()):
+                if sent or (attempt >= MAX_ATTEMPTS - 1 and not await wait.wait()):
                     raise
                 metrics.RETRIES.labels("mid_answer" if held else "before_first_token").inc()
                 log.info("worker %s unavailable (%s): trying another", picked.worker_id, exc)

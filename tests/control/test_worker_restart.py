@@ -15,11 +15,11 @@ import asyncio
 from collections.abc import Callable
 
 from conftest import ECHO
-from procs import ServiceProc
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.client import Client
 from omniflow.dsl import VType, Workflow, register_operation
+from omniflow.testing.launch import ServiceProc
 
 # The worker's registration outlives it by about a second (TTL) when it is SIGKILLed.
 WORKER_ENV = {
@@ -95,3 +95,15 @@ async def test_an_operations_own_unavailable_is_not_waited_for(
         ended = await client.run("own-failure", {"t": "x"})
     assert not ended.ok
     assert "fails on purpose" in ended.error and "after 1 attempt" in ended.error, ended.error
+
+
+def test_what_counts_as_a_restarting_worker() -> None:
+    from omniflow.errors import NotFound, Unavailable
+    from omniflow.rpc.interceptors import ServingGate
+    from omniflow_services.coordinator.waiting import restarting
+
+    assert restarting(ServingGate("worker").refusal("Generate"))  # loading its model
+    assert restarting(Unavailable("failed to connect to all addresses; Connection refused"))
+    assert restarting(Unavailable("Socket closed"))  # died mid-call
+    assert not restarting(Unavailable("test worker llm-0 fails on purpose"))  # its own answer
+    assert not restarting(NotFound("no live worker of role 'llm'"))  # the pick's, not a call's
