@@ -216,7 +216,7 @@ def run_vllm_alone(
             "max_tokens": max_tokens,
             "fresh": fresh,
             "block": BLOCK,
-            "eager": DEVICE == "cpu",  # as the worker starts vLLM
+            "eager": False,  # as the worker starts vLLM: its own default, compiled
         }
     )
     done = subprocess.run(

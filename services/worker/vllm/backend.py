@@ -191,6 +191,7 @@ class VLLMConfig:
     index_address: str = ""
     model_id: str = ""
     events_endpoint: str = ""  # vLLM's KV events, for the device pages in the index
+    enforce_eager: bool = False  # vLLM's default: torch.compile (and graphs on GPU)
     extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs fields
 
     def engine_kwargs(self, model_dir: Path, layout: KVLayout, fmt: str) -> dict[str, Any]:
@@ -206,7 +207,9 @@ class VLLMConfig:
             "max_num_batched_tokens": max(self.max_num_batched_tokens, self.max_model_len),
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": True,
-            "enforce_eager": self.device == "cpu",  # no graph capture or compile on CPU
+            # vLLM's own default, as its OpenAI server runs (torch.compile on CPU too): the
+            # eager mode forced here before served 0.10-0.16x of that server (issue 19).
+            "enforce_eager": self.enforce_eager,
             "disable_log_stats": False,  # GetLoad reads the scheduler's stats
         }
         if self.events_endpoint:
