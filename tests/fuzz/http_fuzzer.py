@@ -2,7 +2,10 @@
 
 Bodies: random bytes, broken JSON (truncated, deeply nested, NaN, huge numbers, the wrong
 top-level type), and JSON objects of the API's own fields holding wrong types and extreme
-values; sizes just under and just past the body limit; odd headers. Any status but 500
+values; per route, near-valid requests of the newer endpoints (embeddings, tokenize and
+detokenize, tool calls and tool_choice, response_format and structured_outputs, multipart
+audio uploads with real, truncated and junk WAV files and wrong form fields); sizes just
+under and just past the body limit; odd headers. Any status but 500
 is an answer to a client mistake (401, 404, 405, 413, 415, 422, 429, 400, and 503 when a
 role has no worker are all right).
 """
@@ -10,10 +13,14 @@ role has no worker are all right).
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
 import random
+import struct
 import time
+import wave
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -47,9 +54,151 @@ _FIELDS = (
 )  # fmt: skip
 
 
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _wav(rng: random.Random, seconds: float) -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rng.choice((16_000, 8_000, 44_100)))
+        w.writeframes(rng.randbytes(int(16_000 * seconds) * 2))
+    return out.getvalue()
+
+
 class BodyGen:
-    def __init__(self, rng: random.Random, model: str, max_body: int) -> None:
+    def __init__(
+        self, rng: random.Random, model: str, max_body: int, models: Sequence[str] = ()
+    ) -> None:
         self.rng, self.model, self.max_body = rng, model, max_body
+        self.models = [*models] or [model]
+
+    def pick_model(self) -> str:
+        return self.rng.choice((*self.models, self.model, "nope", ""))
+
+    def for_route(self, path: str) -> tuple[bytes, str] | None:
+        """A near-valid request of ``path``'s own shape with a field gone wrong (None: no
+        template for the route)."""
+        rng, value = self.rng, self.value
+        body: dict[str, Any]
+        if path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+            return self.upload()
+        if path == "/v1/embeddings":
+            body = {"model": self.pick_model(), "input": rng.choice(
+                ("hi", ["a", "b"], [[1, 2, 3]], [5, 6], "", [], ["x" * 5000] * 3, [[]], 7)
+            )}  # fmt: skip
+            if rng.random() < 0.5:
+                body["encoding_format"] = rng.choice(("float", "base64", "nope", 3, None))
+            if rng.random() < 0.5:
+                body["dimensions"] = rng.choice((1, 8, 0, -1, 10**9, "8", 2.5))
+        elif path in ("/tokenize", "/detokenize"):
+            body = {"model": self.pick_model()}
+            if path == "/detokenize":
+                body["tokens"] = rng.choice(([1, 2, 3], [-1], [2**40], ["a"], [], None, "1 2"))
+            elif rng.random() < 0.5:
+                body["prompt"] = rng.choice(("hello", "", "😀" * 100, 5, ["a"]))
+            else:
+                body["messages"] = value() if rng.random() < 0.3 else [
+                    {"role": "user", "content": "hi"}
+                ]  # fmt: skip
+                body["add_generation_prompt"] = rng.choice((True, False, "yes"))
+            for name in ("add_special_tokens", "return_token_strs"):
+                if rng.random() < 0.3:
+                    body[name] = value()
+        elif path == "/v1/chat/completions" and rng.random() < 0.7:
+            body = {"model": self.model, "messages": [{"role": "user", "content": "weather?"}],
+                    "max_tokens": rng.choice((1, 4, 16))}  # fmt: skip
+            if rng.random() < 0.5:
+                body["tools"] = rng.choice(
+                    ([_TOOL], [_TOOL, _TOOL], [{"type": "function"}], [{"type": "nope"}],
+                     [{"type": "function", "function": {"name": "f", "parameters": "x"}}], [], {})
+                )  # fmt: skip
+                body["tool_choice"] = rng.choice(
+                    ("auto", "none", "required", "any", None, 7,
+                     {"type": "function", "function": {"name": "get_weather"}},
+                     {"type": "function", "function": {"name": "nope"}})
+                )  # fmt: skip
+                if rng.random() < 0.3:
+                    body["parallel_tool_calls"] = value()
+                if rng.random() < 0.3:  # a history with a call and its (junk) result
+                    call = {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {
+                            "name": "get_weather",
+                            "arguments": rng.choice(('{"city":"x"}', "{", 7)),
+                        },
+                    }
+                    body["messages"] += [
+                        {"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": rng.choice(("c1", "zz", 5)),
+                         "content": rng.choice(("sunny", None, [], "x" * 3000))},
+                    ]  # fmt: skip
+            else:
+                body["response_format"] = rng.choice(
+                    ({"type": "json_object"}, {"type": "text"}, {"type": "nope"}, "json",
+                     {"type": "json_schema", "json_schema": {"name": "s", "schema": _SCHEMA}},
+                     {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
+                     {"type": "json_schema", "json_schema": {"name": "s", "schema": True}},
+                     {"type": "json_schema"})
+                )  # fmt: skip
+                if rng.random() < 0.3:
+                    body["structured_outputs"] = rng.choice(
+                        ({"regex": "["}, {"regex": "[a-z]+"}, {"choice": []}, {"choice": ["a", 1]},
+                         {"grammar": "root ::= "}, {"json": _SCHEMA}, {"json": "{"}, 7)
+                    )  # fmt: skip
+            if rng.random() < 0.3:
+                body["stream"] = True
+        else:
+            return None
+        return json.dumps(body, allow_nan=True).encode(), "application/json"
+
+    def upload(self) -> tuple[bytes, str]:
+        """A multipart upload: a WAV (real, truncated, junk or empty) and form fields."""
+        rng = self.rng
+        boundary = f"fuzz{rng.getrandbits(48):x}"
+        fields = {"model": self.pick_model()}
+        for name, choices in (
+            ("response_format", ("json", "text", "verbose_json", "srt", "vtt", "nope")),
+            ("temperature", ("0", "0.4", "-1", "x", "1e999", "nan")),
+            ("language", ("en", "xx", "", "e" * 300)),
+            ("prompt", ("hello", "z" * 20_000)),
+            ("timestamp_granularities[]", ("word", "segment", "nope")),
+            ("stream", ("true", "false", "2")),
+        ):
+            if rng.random() < 0.4:
+                fields[name] = rng.choice(choices)
+        wav = _wav(rng, rng.choice((0.1, 0.5)))
+        data = rng.choice((
+            wav, wav[: rng.randrange(1, 44)], b"", rng.randbytes(2000),
+            b"RIFF" + struct.pack("<I", 2**32 - 1) + b"WAVEfmt " + rng.randbytes(40),
+        ))  # fmt: skip
+        parts = [
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+            for k, v in fields.items()
+        ]
+        if rng.random() < 0.9:  # sometimes no file at all
+            name = rng.choice(("file", "file", "audio"))
+            head = (f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; '
+                    f'filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\n')  # fmt: skip
+            parts.append(head.encode() + data + b"\r\n")
+        body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+        if rng.random() < 0.1:
+            body = body[: rng.randrange(1, len(body))]  # cut short
+        return body, f"multipart/form-data; boundary={boundary}"
 
     def value(self, depth: int = 0) -> Any:
         r = self.rng.randrange(14)
@@ -141,20 +290,22 @@ async def fuzz_http(
     model: str,
     max_body: int,
     api_key: str = "",
+    models: Sequence[str] = (),
     seed: int = 0,
     concurrency: int = 4,
     timeout_s: float = 10.0,
 ) -> None:
     """Send ``total`` malformed/extreme requests; statuses into ``tally`` (500 is bad)."""
     rng = random.Random(seed)
-    gen = BodyGen(rng, model, max_body)
+    gen = BodyGen(rng, model, max_body, models)
     sem = asyncio.Semaphore(concurrency)
     started = time.monotonic()
     plan: list[tuple[str, str, bytes, dict[str, str]]] = []
     for _ in range(total):
         method, path = rng.choice(ROUTES)
         path = path.replace("{junk}", rng.choice(("x", "%00", "..%2f..%2fetc", "a" * 4000)))
-        body, ctype = gen.body() if method == "POST" else (b"", "")
+        shaped = gen.for_route(path) if method == "POST" and rng.random() < 0.5 else None
+        body, ctype = shaped or (gen.body() if method == "POST" else (b"", ""))
         headers = {"content-type": ctype} if ctype else {}
         if api_key and rng.random() < 0.9:
             headers["authorization"] = rng.choice(

@@ -23,7 +23,11 @@ async def _complete(base_url: str) -> tuple[str, str]:
     """(model id, greedy completion of the canary)."""
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as api:
         models = await api.models.list()
-        model = models.data[0].id
+        model = next(  # the llm's: the embed and encoder workers serve models too
+            m.id
+            for m in models.data
+            if not any(k in m.id.lower() for k in ("minilm", "whisper", "workflow:"))
+        )
         done = await api.completions.create(
             model=model, prompt=CANARY, max_tokens=8, temperature=0, timeout=60
         )
@@ -37,7 +41,11 @@ async def test_fuzz_gateway(fuzz_topology: FuzzTopology) -> None:
     tally = Tally("gateway")
     tally.rss_before_kb = topo.rss_kb("gateway")
     tracebacks = topo.log_tracebacks("gateway")
-    await fuzz_http(url, tally, fuzz_requests(), model=model, max_body=MAX_BODY, seed=SEED)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as api:
+        served = [m.id for m in (await api.models.list()).data]  # llm, embed, encoder models
+    await fuzz_http(
+        url, tally, fuzz_requests(), model=model, models=served, max_body=MAX_BODY, seed=SEED
+    )
     tally.crashed = not topo.alive("gateway")
     if not tally.crashed:
         tally.rss_after_kb = topo.rss_kb("gateway")
