@@ -17,10 +17,18 @@ from opentelemetry import trace
 from omniflow import telemetry
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.errors import OmniflowError
+from omniflow.security import policy
+from omniflow.security.identity import Principal
 from omniflow_services.coordinator import metrics
 from omniflow_services.coordinator.limits import call_roles
 from omniflow_services.coordinator.live import LiveRun, now_ms
-from omniflow_services.coordinator.run_keys import ACTIVE_KEY, events_key, id_of, run_key
+from omniflow_services.coordinator.run_keys import (
+    ACTIVE_KEY,
+    events_key,
+    id_of,
+    run_key,
+    tenant_of,
+)
 
 if TYPE_CHECKING:
     from omniflow_services.coordinator.runs import RunManager
@@ -121,8 +129,16 @@ async def _resume(m: RunManager, name: str, owner: str) -> bool:
     span = telemetry.tracer().start_span(f"run {graph.name} (resumed)")
     span.set_attribute("omniflow.run_id", run_id)
     log.warning("run %s of coordinator %s: resumed from its inputs", run_id, owner)
-    with trace.use_span(span, end_on_exit=False):
-        live.task = asyncio.create_task(_when_served(m, live, graph, values, span))
+    # The run's calls act for its tenant again (salted KV hints, forwarded tenant, scoped
+    # ids), as they did on the coordinator that died: its name says whose it is.
+    tenant = tenant_of(name)
+    who = policy.set_current(Principal(None, tenant, frozenset({"user"}))) if tenant else None
+    try:
+        with trace.use_span(span, end_on_exit=False):
+            live.task = asyncio.create_task(_when_served(m, live, graph, values, span))
+    finally:
+        if who is not None:
+            policy.reset_current(who)
     return True
 
 

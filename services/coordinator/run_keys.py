@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 ACTIVE_KEY = "omniflow:runs:active"
 
-__all__ = ["ACTIVE_KEY", "events_key", "id_of", "known", "resolve", "run_key", "run_name"]
+__all__ = [
+    "ACTIVE_KEY", "events_key", "id_of", "known", "resolve", "run_key", "run_name", "tenant_of",
+]  # fmt: skip
 
 
 def run_key(name: str) -> str:
@@ -41,6 +43,14 @@ def events_key(name: str) -> str:
 def id_of(name: str) -> str:
     """The run id a client knows, from a run's name."""
     return name.rsplit("/", 1)[-1]
+
+
+def tenant_of(name: str) -> str:
+    """The tenant whose run ``name`` is ("" for a plain id: tenant "" or the old layout)."""
+    size, sep, rest = name.partition(":")
+    if not sep or not size.isdigit() or rest[int(size) : int(size) + 1] != "/":
+        return ""
+    return rest[: int(size)]
 
 
 async def known(redis: aioredis.Redis, name: str) -> bool:

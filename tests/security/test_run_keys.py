@@ -6,7 +6,8 @@ router, a coordinator, all on mutual TLS with tokens of two tenants and an admin
 - tenant B's GetRun, StreamRunEvents and CancelRun of A's run are NOT_FOUND; an admin
   reads it;
 - runs written by the previous layout (plain id, owner record) are still read, and one
-  that was in flight when its coordinator died is adopted and resumed.
+  that was in flight when its coordinator died is adopted and resumed; so is one of the
+  tenant's own layout.
 """
 
 from __future__ import annotations
@@ -256,6 +257,26 @@ async def _previous_layout(topo: Topo) -> None:
         assert run.outputs["text"].text == "RESUME ME"
         assert not await db.hexists("omniflow:runs:active", flight_id)
         code = await code_of(b.StreamRunEvents(cpb.StreamRunEventsRequest(run_id=flight_id)))
+        assert code == grpc.StatusCode.NOT_FOUND
+        # A run of this layout in flight on a coordinator that died: adopted under its
+        # tenant's name, resumed (acting for its tenant again), and still A's alone.
+        mine_id = f"mine-{suffix}"
+        mine = cpb.Run(
+            run_id=mine_id, workflow=workflow, version=version, state=cpb.RUN_STATE_RUNNING
+        )
+        mine.inputs["text"].CopyFrom(common_pb2.Value(text="mine"))
+        await db.set(_name("tenant-a", mine_id), mine.SerializeToString())
+        await db.set(f"omniflow:tenant:run:{mine_id}", "tenant-a")
+        await db.hset("omniflow:runs:active", f"8:tenant-a/{mine_id}", "coordinator-gone")
+        end = time.monotonic() + 60
+        while True:
+            run = (await a.GetRun(cpb.GetRunRequest(run_id=mine_id))).run
+            if run.state != cpb.RUN_STATE_RUNNING or time.monotonic() > end:
+                break
+            await asyncio.sleep(0.25)
+        assert run.state == cpb.RUN_STATE_SUCCEEDED and run.outputs["text"].text == "MINE", run
+        assert not await db.exists(f"omniflow:run:{mine_id}")
+        code = await code_of(b.GetRun(cpb.GetRunRequest(run_id=mine_id)))
         assert code == grpc.StatusCode.NOT_FOUND
     finally:
         for ch in (a_ch, b_ch):
