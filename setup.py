@@ -1,4 +1,7 @@
-"""Package mapping that pyproject.toml cannot express: the shared library lives in
+"""Why services/ is imported as omniflow_services: a top-level `services` package would
+collide with any other on sys.path; the repository keeps one short folder per service.
+
+Package mapping that pyproject.toml cannot express: the shared library lives in
 libs/omniflow (import name `omniflow`) and the services in services/<name>
 (import name `omniflow_services.<name>`), and one install provides both."""
 

@@ -7,10 +7,7 @@ Used by ``bench/serve_openai.py`` (the load generator); nothing here measures an
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from omniflow.localredis import start_redis
+from omniflow.testing.launch import Launcher
 
 MODEL = "smollm2-135m-instruct"
 
@@ -36,25 +34,16 @@ def free_port() -> int:
 
 
 class Procs:
-    """Processes started by the bench, ended by PID (SIGTERM, then SIGKILL)."""
+    """Processes started by the bench, each in a session of its own (vLLM's engine processes
+    end with their server), ended by PID (``omniflow.testing.launch``: SIGTERM, SIGKILL
+    after 20 s, then what is left of the group)."""
 
     def __init__(self, folder: Path) -> None:
         self.dir = folder
-        self.started: list[subprocess.Popen[bytes]] = []
+        self.launcher = Launcher(folder)
 
     def spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        with open(self.dir / f"{name}.log", "wb") as log:
-            # A session (process group) each: vLLM's engine processes end with their server.
-            proc = subprocess.Popen(
-                argv,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        self.started.append(proc)
-        return proc
+        return self.launcher.spawn(argv, name, env, group=True).popen
 
     def service(
         self,
@@ -64,42 +53,17 @@ class Procs:
         timeout_s: float = 300,
         python: str = sys.executable,
     ) -> dict:
-        ready = self.dir / f"{name}.ready"
-        full = {
-            **os.environ,
-            "OMNIFLOW_PORT": "0",
-            "OMNIFLOW_METRICS_PORT": "-1",
-            "OMNIFLOW_READY_FILE": str(ready),
-            "OMNIFLOW_INSTANCE_ID": name,
-            "OMNIFLOW_LOG_LEVEL": "WARNING",
-            "OMNIFLOW_NODE_ID": "bench",
-            **env,
-        }
-        proc = self.spawn([python, "-m", module], name, full)
-        end = time.monotonic() + timeout_s
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"{name} did not start; see {self.dir / (name + '.log')}")
-            time.sleep(0.05)
-        return json.loads(ready.read_text())
+        env = {"OMNIFLOW_LOG_LEVEL": "WARNING", "OMNIFLOW_NODE_ID": "bench", **env}
+        proc = self.launcher.service(module, name, python=python, group=True, **env)
+        try:
+            proc.wait_ready(timeout_s)
+        except AssertionError:
+            raise RuntimeError(f"{name} did not start; see {proc.log}") from None
+        return proc.info
 
     def stop(self) -> None:
-        """SIGTERM each process group, wait for its leader (SIGKILL after 20 s), then end
-        whatever is left of the group (a server's engine processes)."""
-        for p in reversed(self.started):
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
-        for p in reversed(self.started):
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-        self.started.clear()
+        self.launcher.stop(timeout_s=20)
+        self.launcher.started.clear()
 
 
 @dataclass

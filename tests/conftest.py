@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from procs import ServiceProc, start_service, stop_all
 
 from omniflow.config import load_settings
 from omniflow.localredis import LocalRedisError, RedisProcess, find_redis_server, start_redis
 from omniflow.rpc.server import ServiceHost
+from omniflow.testing.launch import ServiceProc, start_service, stop_all
 from omniflow_services.kv_agent.config import KVAgentSettings
 from omniflow_services.kv_agent.server import KVAgentApp
 from omniflow_services.kv_index.config import KVIndexSettings

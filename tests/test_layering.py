@@ -109,11 +109,6 @@ def test_a_service_imports_no_other_service(service: str) -> None:
     )
 
 
-# None tolerated (the engine package's model.py -> __init__ -> engine.py -> loader.py ->
-# model.py is gone: model.py imports engine.kernels by its module path).
-KNOWN_FILE_CIRCLES: list[frozenset[str]] = []
-
-
 def _module_files() -> dict[str, Path]:
     """Every module of the library and the services by its import name (a package by its
     ``__init__.py``)."""
@@ -217,7 +212,7 @@ def test_the_graph_sees_a_run_time_import_and_not_a_type_only_one() -> None:
 
 def test_no_import_circle_between_files() -> None:
     graph = import_graph()
-    bad = [g for g in circles(graph) if frozenset(g) not in KNOWN_FILE_CIRCLES]
+    bad = circles(graph)
     assert not bad, "import circles between modules:\n" + "\n".join(
         _describe(g, graph) for g in bad
     )
@@ -229,3 +224,18 @@ def test_no_import_circle_between_packages() -> None:
     assert not bad, "import circles between packages:\n" + "\n".join(
         _describe(g, graph) for g in bad
     )
+
+
+def test_the_arrows_between_service_modules_stay_inside_each_service(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from service_arrows import arrows, main
+
+    found = arrows()
+    assert ("services/router/server.py", "services/router/core.py") in found
+    across = [f"{a} -> {b}" for a, b in found if Path(a).parts[1] != Path(b).parts[1]]
+    assert not across, "arrows into another service:\n" + "\n".join(across)
+    assert main(["router"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "services/router/server.py -> services/router/core.py" in printed
+    assert all(line.startswith("services/router/") for line in printed)

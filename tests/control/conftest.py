@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from procs import ServiceProc
 
 from omniflow.localredis import RedisProcess
+from omniflow.testing.launch import ServiceProc
 
 # ``launch`` and ``private_redis`` come from tests/conftest.py.
 Proc = ServiceProc

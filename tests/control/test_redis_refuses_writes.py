@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import redis
-from procs import ServiceProc
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
@@ -31,6 +30,7 @@ from omniflow.dsl import VType, Workflow
 from omniflow.errors import OmniflowError
 from omniflow.localredis import RedisProcess, start_redis
 from omniflow.rpc.client import open_channel
+from omniflow.testing.launch import ServiceProc
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,6 @@ from collections.abc import Callable
 import pytest
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from procs import ServiceProc
 from redis._parsers.base import BaseParser
 
 from omniflow import errors
@@ -25,6 +24,7 @@ from omniflow.localredis import RedisProcess
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.server import Runtime, ServiceHost
 from omniflow.rpc.status import domain_error
+from omniflow.testing.launch import ServiceProc
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.server import WorkerApp
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 from endpoints_topology import API_KEY, LLM, MAX_BODY, MINILM, WHISPER, Endpoints
-from procs import Launcher
 
 from omniflow.localredis import start_redis
+from omniflow.testing.launch import Launcher
 
 
 def _need(module: str, wheel: str) -> None:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from procs import ServiceProc
+from omniflow.testing.launch import ServiceProc
 
 LLM = "smollm2-135m-instruct"
 WHISPER = "whisper-tiny.en"

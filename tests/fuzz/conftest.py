@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 from fuzzer import rss_kb
-from procs import ServiceProc, start_service, stop_all
 
 from omniflow.localredis import start_redis
+from omniflow.testing.launch import ServiceProc, start_service, stop_all
 
 HOST_BYTES = 4 * 1024 * 1024
 MAX_INLINE = 256 * 1024  # the coordinator's inline-input bound, small so that past it is cheap

@@ -12,11 +12,12 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
-from procs import Launcher, ServiceProc
 
 from omniflow.localredis import start_redis
+from omniflow.testing.launch import Launcher, ServiceProc
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key-" + os.urandom(8).hex()
@@ -129,3 +130,49 @@ def topology(tmp_path_factory: pytest.TempPathFactory, redis_binary: Path) -> It
     finally:
         launch.stop(timeout_s=15)
         redis.stop()
+
+
+@pytest.fixture(scope="package")  # one load for every module here that compares with it
+def reference(topology: Topology) -> Any:
+    """transformers on the topology's model folder: float32, greedy, one thread."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.set_num_threads(1)
+    tok = transformers.AutoTokenizer.from_pretrained(topology.model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        topology.model_dir, dtype=torch.float32
+    )
+    model.eval()
+
+    class Ref:
+        tokenizer = tok
+
+        def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+        def generate(self, ids: list[int], max_tokens: int, **kw: Any) -> list[int]:
+            """The greedy continuation's token ids (``kw``: more of generate's arguments)."""
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    **kw,
+                )
+            return out[0, len(ids) :].tolist()
+
+        def text(self, new: list[int]) -> str:
+            return tok.decode(new, skip_special_tokens=True)
+
+        def encode(self, text: str) -> list[int]:
+            return list(tok(text)["input_ids"])
+
+        def logprobs(self, ids: list[int], new: list[int]) -> list[float]:
+            with torch.no_grad():
+                logits = model(torch.tensor([ids + new])).logits[0].float()
+            lp = torch.log_softmax(logits, dim=-1)
+            return [float(lp[len(ids) - 1 + k, t]) for k, t in enumerate(new)]
+
+    return Ref()

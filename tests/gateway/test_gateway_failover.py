@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import ServiceProc
 
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.rpc.client import open_channel
+from omniflow.testing.launch import ServiceProc
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import ServiceProc
+
+from omniflow.testing.launch import ServiceProc
 
 pytestmark = pytest.mark.integration
 

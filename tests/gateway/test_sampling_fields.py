@@ -26,39 +26,6 @@ def client(topology: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=topology.base_url, api_key=topology.api_key, max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def reference(topology: Any) -> Any:
-    """transformers on the same folder: float32, greedy, one thread."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.set_num_threads(1)
-    tok = transformers.AutoTokenizer.from_pretrained(topology.model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        topology.model_dir, dtype=torch.float32
-    )
-    model.eval()
-
-    class Ref:
-        tokenizer = tok
-
-        def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-        def generate(self, ids: list[int], max_tokens: int, **kw: Any) -> list[int]:
-            with torch.no_grad():
-                out = model.generate(
-                    torch.tensor([ids]),
-                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    max_new_tokens=max_tokens,
-                    do_sample=False,
-                    **kw,
-                )
-            return out[0, len(ids) :].tolist()
-
-    return Ref()
-
-
 def _chat(client: openai.OpenAI, model: str, messages: Any, **kw: Any) -> Any:
     extra = {k: kw.pop(k) for k in list(kw) if k in _VLLM_FIELDS}
     return client.chat.completions.create(

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from procs import ServiceProc, start_service, stop_all
 
 from omniflow.localredis import start_redis
+from omniflow.testing.launch import ServiceProc, start_service, stop_all
 
 openai = pytest.importorskip("openai", reason="the reference client (dev extra)")
 jsonschema = pytest.importorskip("jsonschema", reason="the schema reference (dev extra)")

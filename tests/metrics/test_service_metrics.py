@@ -13,7 +13,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from procs import ServiceProc
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
@@ -24,6 +23,7 @@ from omniflow.dsl import VType, Workflow
 from omniflow.kv.blocks import block_hashes
 from omniflow.models.resolve import resolve_model
 from omniflow.rpc.client import open_channel
+from omniflow.testing.launch import ServiceProc
 
 pytestmark = pytest.mark.integration
 

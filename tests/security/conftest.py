@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from procs import ServiceProc, start_service, stop_all
 
 from omniflow.config import SecuritySettings
 from omniflow.localredis import RedisProcess, start_redis
@@ -25,6 +24,7 @@ from omniflow.rpc.interceptors import TracedChannel
 from omniflow.security.bundle import Bundle, make_bundle
 from omniflow.security.identity import Identity
 from omniflow.security.transport import Security
+from omniflow.testing.launch import ServiceProc, start_service, stop_all
 
 NODE1, NODE2 = "node-1", "node-2"
 

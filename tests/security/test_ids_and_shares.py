@@ -9,7 +9,6 @@ import os
 
 import grpc
 import pytest
-from procs import start_service, stop_all
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -17,6 +16,7 @@ from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.dsl import VType, Workflow, register_operation
 from omniflow.rpc.client import open_channel
 from omniflow.security.identity import Identity
+from omniflow.testing.launch import start_service, stop_all
 from omniflow.values import from_python
 
 pytestmark = pytest.mark.integration

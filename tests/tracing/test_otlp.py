@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from procs import ServiceProc
 
 from omniflow.client import Client
 from omniflow.dsl import VType, Workflow
 from omniflow.models.resolve import resolve_model
+from omniflow.testing.launch import ServiceProc
 
 pytestmark = pytest.mark.integration
 

@@ -8,21 +8,18 @@ test of a module; each process is ended by PID at teardown.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
-from procs import ServiceProc
 
 from omniflow.localredis import RedisProcess
+from omniflow.testing.launch import ServiceProc, spawn, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("OMNIFLOW_VLLM_VENV", "~/.cache/omniflow/venvs/vllm")).expanduser()
@@ -95,7 +92,6 @@ class VLLMCluster:
 
     def start(self, module: str, name: str, python: str = sys.executable, **env: str):
         ready = self.tmp / f"{name}.ready.json"
-        log = self.tmp / f"{name}.log"
         full_env = {
             **os.environ,
             "OMNIFLOW_REDIS_URL": self.redis.url,
@@ -108,17 +104,16 @@ class VLLMCluster:
             "OMP_NUM_THREADS": "1",
             **env,
         }
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(
-                [python, "-m", f"omniflow_services.{module}"],
-                env=full_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self.tmp,
-                start_new_session=True,  # vLLM's engine processes go with their group
-            )
-        proc = ServiceProc(name, popen, ready, log)
+        # A session each: vLLM's engine processes go with their worker's group.
+        proc = spawn(
+            [python, "-m", f"omniflow_services.{module}"],
+            name,
+            self.tmp,
+            full_env,
+            ready_file=ready,
+            group=True,
+            cwd=self.tmp,
+        )
         self.procs.append(proc)
         self.by_name[name] = proc
         return proc
@@ -140,32 +135,10 @@ class VLLMCluster:
         )  # fmt: skip
 
     def stop(self) -> None:
-        """SIGTERM every process, then end what is left of each worker's process group
-        (vLLM's engine processes) while the worker is still unreaped: a zombie's pid, and so
-        its group id, cannot be reused by another process meanwhile (pid_max is small)."""
-        live = [p for p in self.procs if p.popen.returncode is None]
-        for proc in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.popen.pid, signal.SIGTERM)  # not send_signal: it may reap
-        for proc in live:
-            pid = proc.popen.pid
-            end = time.monotonic() + 20
-            while not _exited(pid) and time.monotonic() < end:
-                time.sleep(0.1)
-            if not _exited(pid):
-                os.kill(pid, signal.SIGKILL)
-                while not _exited(pid):
-                    time.sleep(0.05)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-            proc.popen.wait()
+        """End every process by PID with its process group (vLLM's engine processes)."""
+        stop_all(self.procs, timeout_s=20)
         for path in Path("/dev/shm").glob(f"*{self.tag}*"):
             path.unlink(missing_ok=True)
-
-
-def _exited(pid: int) -> bool:
-    """Whether child ``pid`` has exited, without reaping it."""
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
 def metric(proc: ServiceProc, series: str) -> float:

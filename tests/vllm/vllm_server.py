@@ -11,16 +11,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
-import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from vllm_cluster import VLLM_ENV, VLLM_PYTHON
+
+from omniflow.testing.launch import spawn, stop_all
 
 SERVED_NAME = "smollm2-135m-instruct"
 START_TIMEOUT_S = 600.0
@@ -37,7 +36,6 @@ class VLLMServer:
 
     def __init__(self, model: Path, tmp: Path, dtype: str = "float32") -> None:
         self.model, self.port = model, free_port()
-        self.log = tmp / "vllm-server.log"
         args = [
             str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", SERVED_NAME,
@@ -50,28 +48,23 @@ class VLLMServer:
             "--generation-config", "vllm",
         ]  # fmt: skip
         env = {**os.environ, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        with open(self.log, "wb") as out:
-            self.popen = subprocess.Popen(
-                args, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=tmp, start_new_session=True,
-            )  # fmt: skip
+        # A session of its own: its engine processes are stopped with its process group.
+        self.proc = spawn(args, "vllm-server", tmp, env, group=True, cwd=tmp)
+        self.popen, self.log = self.proc.popen, self.proc.log
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> VLLMServer:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.popen.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM's server exited ({self.popen.returncode}):\n{self.tail()}"
-                )
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return self
-            time.sleep(1.0)
-        raise TimeoutError(f"vLLM's server not up after {timeout_s:.0f}s:\n{self.tail()}")
+        self.proc.wait_ready(timeout_s, probe=self._healthy)
+        return self
+
+    def _healthy(self) -> bool:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                return True
+        return False
 
     def post(self, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
         """POST ``body`` to ``/v1/<path>``: the JSON reply (an error body as it came)."""
@@ -87,26 +80,9 @@ class VLLMServer:
             return {"status": exc.code, **json.loads(exc.read() or b"{}")}
 
     def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+        return self.proc.tail(chars)
 
     def stop(self) -> None:
         """SIGTERM the server, SIGKILL it after a while, then what is left of its process
         group (the engine core), while the server is still unreaped."""
-        pid = self.popen.pid
-        if self.popen.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-            end = time.monotonic() + 20
-            while not _exited(pid) and time.monotonic() < end:
-                time.sleep(0.1)
-            if not _exited(pid):
-                os.kill(pid, signal.SIGKILL)
-                while not _exited(pid):
-                    time.sleep(0.05)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-        self.popen.wait()
-
-
-def _exited(pid: int) -> bool:
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        stop_all([self.proc], timeout_s=20)

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from procs import ServiceProc, start_service, stop_all
 
 from omniflow.config import load_settings
 from omniflow.errors import FailedPrecondition, InvalidArgument
 from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.kv.pages import PageAssembler, page_chunks
 from omniflow.localredis import start_redis
+from omniflow.testing.launch import ServiceProc, start_service, stop_all
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.core import WorkerCore
 from omniflow_services.worker.engine import SamplingParams

@@ -5,7 +5,8 @@ shared-memory host tier and SSD file) and that node's workers attached to it, th
 router and a coordinator. Each process gets a node id (``OMNIFLOW_NODE_ID``), so the
 router's ``kv_aware`` sees which node's agent holds which pages, and pages move between
 nodes agent to agent exactly as between machines. ``Nodes.stop`` ends every process by
-PID (SIGTERM, then SIGKILL), stops the Redis and removes the agents' shared-memory files.
+PID (``omniflow.testing.launch``: SIGTERM, then SIGKILL), stops the Redis and removes the
+agents' shared-memory files.
 
 The services are started as ``python -m omniflow_services.<name>`` subprocesses (this
 module imports none of them).
@@ -13,18 +14,14 @@ module imports none of them).
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omniflow.localredis import RedisProcess, start_redis
+from omniflow.testing.launch import Launcher
 
 SHM = Path("/dev/shm")
 
@@ -46,61 +43,37 @@ class Nodes:
     root: Path
     redis: RedisProcess
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     node_of: dict[str, str] = field(default_factory=dict)  # worker name -> node id
     base_env: dict[str, str] = field(default_factory=dict)
+    launcher: Launcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.launcher = Launcher(self.root, self.redis.url, **self.base_env)
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        """Every process started, by name."""
+        return {name: p.popen for name, p in self.launcher.procs.items()}
 
     def start(self, module: str, name: str, **env: str) -> None:
         """Start ``python -m omniflow_services.<module>`` as ``name`` (not waited for)."""
-        full = {
-            **os.environ,
-            "OMNIFLOW_REDIS_URL": self.redis.url,
-            "OMNIFLOW_DISCOVERY": "redis",
-            "OMNIFLOW_PORT": "0",
-            "OMNIFLOW_METRICS_PORT": "-1",
-            "OMNIFLOW_READY_FILE": str(self.root / f"{name}.ready.json"),
-            "OMNIFLOW_INSTANCE_ID": name,
-            **self.base_env,
-            **env,
-        }
-        with open(self.root / f"{name}.log", "wb") as out:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", f"omniflow_services.{module}"],
-                env=full,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
+        self.launcher.service(f"omniflow_services.{module}", name, **env)
 
     def wait(self, name: str, timeout_s: float = 180.0) -> str:
         """``name``'s address once it wrote its ready file (it is SERVING then)."""
-        ready = self.root / f"{name}.ready.json"
-        end = time.monotonic() + timeout_s
-        proc = self.procs[name]
-        while time.monotonic() < end:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited {proc.returncode}:\n{self.log(name)}")
-            if ready.exists():
-                self.addresses[name] = json.loads(ready.read_text())["address"]
-                return self.addresses[name]
-            time.sleep(0.05)
-        raise RuntimeError(f"{name} not ready after {timeout_s}s:\n{self.log(name)}")
+        try:
+            self.addresses[name] = self.launcher.procs[name].wait_ready(timeout_s).address
+        except AssertionError as exc:
+            raise RuntimeError(str(exc)) from None
+        return self.addresses[name]
 
     def log(self, name: str) -> str:
-        path = self.root / f"{name}.log"
-        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+        proc = self.launcher.procs.get(name)
+        return proc.tail(4000) if proc is not None else ""
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        self.launcher.stop(timeout_s=15)
         self.redis.stop()
         for path in SHM.glob(f"omniflow-*{self.tag}*"):
             path.unlink(missing_ok=True)
