@@ -51,30 +51,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def SubmitRun(
         self, request: coordinator_pb2.SubmitRunRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.SubmitRunResponse:
-        run_id = await self._claim(request)
-        run_id = await self.app.runs().submit(
-            request.workflow,
-            request.version,
-            request.inputs,
-            request.deadline_ms,
-            run_id,
-            request.node_params,
-        )
-        return coordinator_pb2.SubmitRunResponse(run_id=run_id)
+        return coordinator_pb2.SubmitRunResponse(run_id=await self._submit(request))
 
     async def RunWorkflow(
         self, request: coordinator_pb2.SubmitRunRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.RunEvent]:
         runs = self.app.runs()
-        run_id = await self._claim(request)
-        run_id = await runs.submit(
-            request.workflow,
-            request.version,
-            request.inputs,
-            request.deadline_ms,
-            run_id,
-            request.node_params,
-        )
+        run_id = await self._submit(request)
         async for event in runs.events(run_id, tenant=runs.caller_tenant()):
             yield event
 
@@ -98,6 +81,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         tenant = await self.app.tenancy().check_run(request.run_id)
         state = await self.app.runs().cancel(request.run_id, request.reason, tenant)
         return coordinator_pb2.CancelRunResponse(state=state)  # type: ignore[arg-type]
+
+    async def _submit(self, request: coordinator_pb2.SubmitRunRequest) -> str:
+        """Claim the run's id (:meth:`_claim`) and start it; its id (SubmitRun, RunWorkflow)."""
+        run_id = await self._claim(request)
+        return await self.app.runs().submit(
+            request.workflow,
+            request.version,
+            request.inputs,
+            request.deadline_ms,
+            run_id,
+            request.node_params,
+        )
 
     async def _claim(self, request: coordinator_pb2.SubmitRunRequest) -> str:
         """The run's id, owned by the caller's tenant (auth on); its workflow visible to it."""

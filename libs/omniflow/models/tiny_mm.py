@@ -80,13 +80,15 @@ def _projector(w: dict[str, Any], hidden: int, out_hidden: int, gen: Any) -> Non
     _lin(w, "projector.fc2", out_hidden, out_hidden, gen)
 
 
-def _save(folder: Path, config: dict[str, Any], weights: dict[str, Any]) -> None:
+def _save(folder: Path, config: dict[str, Any], weights: dict[str, Any]) -> Path:
+    """``config.json`` and ``model.safetensors`` (float32) into ``folder``; returns it."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {k: v.float().contiguous() for k, v in weights.items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
 
 
 def make_vision_encoder(
@@ -127,9 +129,7 @@ def make_vision_encoder(
         "max_image_pixels": 4096 * 4096,
         "max_bytes": 20 * 1024 * 1024,
     }
-    out = Path(out_dir)
-    _save(out, config, w)
-    return out
+    return _save(Path(out_dir), config, w)
 
 
 def make_audio_encoder(
@@ -163,9 +163,7 @@ def make_audio_encoder(
         "layer_norm_eps": 1e-6,
         "max_seconds": 30.0,
     }
-    out = Path(out_dir)
-    _save(out, config, w)
-    return out
+    return _save(Path(out_dir), config, w)
 
 
 def make_image_head(
@@ -215,9 +213,7 @@ def make_image_head(
         "max_steps": 100,
         "default_guidance": 3.0,
     }
-    out = Path(out_dir)
-    _save(out, config, w)
-    return out
+    return _save(Path(out_dir), config, w)
 
 
 def make_talker(

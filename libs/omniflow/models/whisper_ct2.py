@@ -162,6 +162,20 @@ def _layers(ct: Ct2Model, side: str) -> int:
     return n
 
 
+def _self_attention(out: dict[str, np.ndarray], ct: Ct2Model, s: str, t: str) -> None:
+    """A layer's self-attention (encoder and decoder alike): CTranslate2 ``s`` -> HF ``t``."""
+    _split_qkv(out, ct, f"{s}/self_attention/linear_0", f"{t}.self_attn", ("q", "k", "v"))
+    _linear(out, ct, f"{s}/self_attention/linear_1", f"{t}.self_attn.out_proj")
+    _norm(out, ct, f"{s}/self_attention/layer_norm", f"{t}.self_attn_layer_norm")
+
+
+def _ffn(out: dict[str, np.ndarray], ct: Ct2Model, s: str, t: str) -> None:
+    """A layer's feed-forward block (encoder and decoder alike)."""
+    _linear(out, ct, f"{s}/ffn/linear_0", f"{t}.fc1")
+    _linear(out, ct, f"{s}/ffn/linear_1", f"{t}.fc2")
+    _norm(out, ct, f"{s}/ffn/layer_norm", f"{t}.final_layer_norm")
+
+
 def hf_state_dict(ct: Ct2Model) -> dict[str, np.ndarray]:
     """HF ``WhisperForConditionalGeneration`` tensors from a CTranslate2 ``WhisperSpec``."""
     if ct.spec != "WhisperSpec":
@@ -173,27 +187,19 @@ def hf_state_dict(ct: Ct2Model) -> dict[str, np.ndarray]:
     out[f"{e}.embed_positions.weight"] = ct.take("encoder/position_encodings/encodings")
     for i in range(_layers(ct, "encoder")):
         s, t = f"encoder/layer_{i}", f"{e}.layers.{i}"
-        _split_qkv(out, ct, f"{s}/self_attention/linear_0", f"{t}.self_attn", ("q", "k", "v"))
-        _linear(out, ct, f"{s}/self_attention/linear_1", f"{t}.self_attn.out_proj")
-        _norm(out, ct, f"{s}/self_attention/layer_norm", f"{t}.self_attn_layer_norm")
-        _linear(out, ct, f"{s}/ffn/linear_0", f"{t}.fc1")
-        _linear(out, ct, f"{s}/ffn/linear_1", f"{t}.fc2")
-        _norm(out, ct, f"{s}/ffn/layer_norm", f"{t}.final_layer_norm")
+        _self_attention(out, ct, s, t)
+        _ffn(out, ct, s, t)
     _norm(out, ct, "encoder/layer_norm", f"{e}.layer_norm")
     out[f"{d}.embed_tokens.weight"] = ct.take("decoder/embeddings/weight")
     out[f"{d}.embed_positions.weight"] = ct.take(MAX_TARGET_POSITIONS_KEY)
     for i in range(_layers(ct, "decoder")):
         s, t = f"decoder/layer_{i}", f"{d}.layers.{i}"
-        _split_qkv(out, ct, f"{s}/self_attention/linear_0", f"{t}.self_attn", ("q", "k", "v"))
-        _linear(out, ct, f"{s}/self_attention/linear_1", f"{t}.self_attn.out_proj")
-        _norm(out, ct, f"{s}/self_attention/layer_norm", f"{t}.self_attn_layer_norm")
+        _self_attention(out, ct, s, t)
         _linear(out, ct, f"{s}/attention/linear_0", f"{t}.encoder_attn.q_proj")
         _split_qkv(out, ct, f"{s}/attention/linear_1", f"{t}.encoder_attn", ("k", "v"))
         _linear(out, ct, f"{s}/attention/linear_2", f"{t}.encoder_attn.out_proj")
         _norm(out, ct, f"{s}/attention/layer_norm", f"{t}.encoder_attn_layer_norm")
-        _linear(out, ct, f"{s}/ffn/linear_0", f"{t}.fc1")
-        _linear(out, ct, f"{s}/ffn/linear_1", f"{t}.fc2")
-        _norm(out, ct, f"{s}/ffn/layer_norm", f"{t}.final_layer_norm")
+        _ffn(out, ct, s, t)
     _norm(out, ct, "decoder/layer_norm", f"{d}.layer_norm")
     proj = ct.variables.get("decoder/projection/weight")
     if proj is not None and proj is not ct.variables["decoder/embeddings/weight"]:

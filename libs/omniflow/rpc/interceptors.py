@@ -311,6 +311,28 @@ async def _fail(
     await context.abort(code, message)
 
 
+def _admitted(
+    request: Any,
+    context: grpc.aio.ServicerContext,
+    metadata: Any,
+    short: str,
+    streamed: bool,
+    guard: _Guard | None,
+    gate: ServingGate | None,
+) -> Any:
+    """The request a handler may serve, or the error that refuses it: the serving gate, the
+    caller's policy, an undecodable request (a streamed one is checked item by item)."""
+    if gate is not None and not gate.open:
+        raise gate.refusal(short)
+    if guard is not None:
+        guard.check(context, metadata)
+    if streamed:
+        return _checked(request, context, short)
+    if type(request) is _Undecodable:
+        raise _undecodable(context, request, short)
+    return request
+
+
 def _wrap_unary(
     behavior: Callable[..., Any],
     method: str,
@@ -326,14 +348,7 @@ def _wrap_unary(
         metadata = context.invocation_metadata() or ()
         span, token, dl_token = _enter(context, method, metadata)
         try:
-            if gate is not None and not gate.open:
-                raise gate.refusal(short)
-            if guard is not None:
-                guard.check(context, metadata)
-            if streamed:
-                request = _checked(request, context, short)
-            elif type(request) is _Undecodable:
-                raise _undecodable(context, request, short)
+            request = _admitted(request, context, metadata, short, streamed, guard, gate)
             return await behavior(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -365,14 +380,7 @@ def _wrap_stream(
         metadata = context.invocation_metadata() or ()
         span, token, dl_token = _enter(context, method, metadata)
         try:
-            if gate is not None and not gate.open:
-                raise gate.refusal(short)
-            if guard is not None:
-                guard.check(context, metadata)
-            if streamed:
-                request = _checked(request, context, short)
-            elif type(request) is _Undecodable:
-                raise _undecodable(context, request, short)
+            request = _admitted(request, context, metadata, short, streamed, guard, gate)
             async for item in behavior(request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
