@@ -207,7 +207,7 @@ def test_pki_init_script_issues_a_pod_certificate(tmp_path: Path, pki: Path) -> 
 
 def test_topology_file_drives_the_objects(tmp_path: Path) -> None:
     topo = parse_topology(
-        "routers: 2\ncoordinators: 3\nkv_agent: {host_bytes: 1048576}\n"
+        "routers: 2\ncoordinators: 3\ngateways: 2\nkv_agent: {host_bytes: 1048576}\n"
         "workers:\n"
         "  - {role: llm, count: 3, model: tiny:qwen2, env: {OMNIFLOW_WORKER_DTYPE: bfloat16}}\n"
     )
@@ -215,6 +215,7 @@ def test_topology_file_drives_the_objects(tmp_path: Path) -> None:
     deps = _by(objs, "Deployment")
     assert deps["router"]["spec"]["replicas"] == 2
     assert deps["coordinator"]["spec"]["replicas"] == 3
+    assert deps["gateway"]["spec"]["replicas"] == 2  # behind the gateway Service
     llm = deps["llm-0"]["spec"]["template"]["spec"]["containers"][0]
     assert llm["image"] == "omniflow/worker:v1"
     env = {e["name"]: e.get("value") for e in llm["env"]}

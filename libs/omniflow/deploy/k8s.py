@@ -1,8 +1,9 @@
 """Kubernetes objects for one topology: what ``omniflow deploy k8s`` prints.
 
 The topology file is the one ``omniflow up`` reads (``omniflow.deploy.topology``); one entry
-of ``workers`` becomes one Deployment of ``count`` replicas, ``routers``/``coordinators``
-the replicas of theirs. What a cluster adds:
+of ``workers`` becomes one Deployment of ``count`` replicas, ``routers``/``coordinators``/
+``gateways`` the replicas of theirs (the gateway's Service balances over its replicas).
+What a cluster adds:
 
 - **Per node**: the kv-agent is a DaemonSet. Its host tier is POSIX shared memory, and pods
   cannot join another pod's IPC namespace, so the agent and every worker run with
@@ -548,7 +549,7 @@ def render(topology: Topology, opts: K8sOptions | None = None) -> list[Obj]:
     ]
     pod = _pod("gateway", "gateway", "gateway", GATEWAY_PORT, gateway_env, opts, models=True)
     out += [
-        _workload("Deployment", "gateway", pod, opts, 1),
+        _workload("Deployment", "gateway", pod, opts, topology.gateways),
         _service("gateway", GATEWAY_PORT, opts),
     ]
     return out
