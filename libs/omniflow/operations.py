@@ -10,7 +10,9 @@ Every hop reads this table instead of declaring an operation again:
   model is loaded, ``model`` only when that model can, e.g. ``transcribe`` with Whisper)
   and reads an ``Invoke``'s inputs by the declared names and kinds;
 - the gateway maps a chat onto a workflow by what each workflow input reaches: the call
-  inputs it feeds and their ``chat`` part (``omniflow.dsl.flow``), never by its name.
+  inputs it feeds and their ``chat`` part (``omniflow.dsl.flow``), never by its name; and
+  answers with what each workflow output carries: the ``answers`` part of the call outputs
+  it holds (the reply's text, what was heard, the audio, the image, the token counts).
 
 Operations a user registers for their own roles (``omniflow.dsl.register_operation``) are
 :class:`Operation` records too, kept by the DSL of the process that registers them.
@@ -19,7 +21,7 @@ Operations a user registers for their own roles (``omniflow.dsl.register_operati
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omniflow.errors import InvalidArgument
@@ -32,6 +34,20 @@ ROLES = ("llm", "encoder", "diffusion", "talker", "embed")
 #: message's text, its ``input_audio`` file, the latest ``image_url`` data URL, the
 #: conversation before it; for image requests also ``width``, ``height`` and ``seed``.
 CHAT_PARTS = ("text", "audio", "image", "messages", "width", "height", "seed")
+
+#: The parts of an OpenAI answer an output can carry (``Operation.answers``): the reply's
+#: text, what was heard (a transcript), the spoken reply (PCM or a WAV) and its rate, the
+#: image, and the token counts of the usage.
+ANSWER_PARTS = (
+    "text",
+    "heard",
+    "audio",
+    "sample_rate",
+    "image",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+)
 
 #: The worker RPC of each built-in operation (anything else goes through ``Invoke``).
 RPCS = ("Generate", "Encode", "GenerateImage", "Synthesize", "Invoke")
@@ -75,7 +91,8 @@ class Operation:
     ``llm.generate``, ``pcm`` chunks of ``talker.synthesize``); empty when unary.
     ``sampling``: its params also take the sampling contract's fields
     (``omniflow.sampling``). ``hints``: the input the router's KV hints of its Pick are
-    made from ("" for none)."""
+    made from ("" for none). ``answers``: output -> the part of an OpenAI answer it carries
+    (one of ``ANSWER_PARTS``; outputs not named carry none)."""
 
     role: str
     name: str
@@ -87,6 +104,7 @@ class Operation:
     served: str = "always"
     sampling: bool = False
     hints: str = ""
+    answers: dict[str, str] = field(default_factory=dict)
 
     @property
     def input_types(self) -> dict[str, VType]:
@@ -152,6 +170,7 @@ _GENERATE_OUTPUTS = {
     # ({kv_namespace, block_hashes, token_ids, node}; generate_image input ``pages``).
     "pages": VType.STRUCT,
 }
+_GENERATE_ANSWERS = {k: k for k in ("text", "prompt_tokens", "cached_tokens", "completion_tokens")}
 _GENERATE_PARAMS = (
     Param("chat", (bool,), False),  # one user turn rendered with the model's chat template
     Param("system", (str,), ""),  # the system turn before it
@@ -159,9 +178,11 @@ _GENERATE_PARAMS = (
     Param("prefill_only", (bool,), False),  # store the prompt's pages, generate nothing
 )
 
-OPERATIONS: tuple[Operation, ...] = (
-    Operation(
-        "llm",
+
+def _generate(role: str, hints: str = "") -> Operation:
+    """``role.generate``: a prompt in, text out over ``Generate`` (llm, diffusion's backbone)."""
+    return Operation(
+        role,
         "generate",
         _GENERATE_INPUTS,
         _GENERATE_OUTPUTS,
@@ -169,8 +190,13 @@ OPERATIONS: tuple[Operation, ...] = (
         rpc="Generate",
         streams="text",
         sampling=True,
-        hints="prompt",
-    ),
+        hints=hints,
+        answers=_GENERATE_ANSWERS,
+    )
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    _generate("llm", hints="prompt"),
     # media: media items; image, audio: a file's bytes (at least one of the three)
     Operation(
         "encoder",
@@ -204,6 +230,7 @@ OPERATIONS: tuple[Operation, ...] = (
             "segments": VType.LIST,
         },
         served="model",
+        answers={"text": "heard"},
     ),
     # Through Invoke by an embed worker: texts or token id lists in, vectors out (float32
     # little-endian bytes, count x dim).
@@ -253,18 +280,9 @@ OPERATIONS: tuple[Operation, ...] = (
         ),
         rpc="GenerateImage",
         hints="pages",
+        answers={"image": "image"},
     ),
-    # The diffusion worker's backbone serves Generate too.
-    Operation(
-        "diffusion",
-        "generate",
-        _GENERATE_INPUTS,
-        _GENERATE_OUTPUTS,
-        _GENERATE_PARAMS,
-        rpc="Generate",
-        streams="text",
-        sampling=True,
-    ),
+    _generate("diffusion"),  # the diffusion worker's backbone serves Generate too
     Operation(
         "talker",
         "synthesize",
@@ -276,6 +294,7 @@ OPERATIONS: tuple[Operation, ...] = (
         ),
         rpc="Synthesize",
         streams="pcm",
+        answers={"pcm": "audio", "wav": "audio", "sample_rate": "sample_rate"},
     ),
 )
 

@@ -25,8 +25,9 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.backoff import Backoff
 from omniflow.discovery import Registry
-from omniflow.dsl.flow import chat_parts
+from omniflow.dsl.flow import chat_parts, output_flow
 from omniflow.errors import NotFound, OmniflowError, Unavailable
 from omniflow.finish import finish_from_proto
 from omniflow.kv.wire import namespace_fields
@@ -167,9 +168,7 @@ class Backends:
             exclude_worker_ids=list(exclude),
         )
         timeout = self.settings.pick_timeout_s
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.settings.failover_wait_s
-        delay = BACKOFF_S
+        backoff = Backoff.within(self.settings.failover_wait_s, BACKOFF_S, MAX_BACKOFF_S)
         while True:
             try:
                 reply = await self.routers.call(lambda stub: stub.Pick(msg, timeout=timeout))
@@ -177,10 +176,10 @@ class Backends:
             except NotFound:
                 # No live worker now: with one worker restarting, wait for it (the caller
                 # turns the NotFound left at the end into its 503).
-                if loop.time() + delay > end:
+                delay = backoff.next()
+                if delay is None:
                     raise
             await asyncio.sleep(delay)
-            delay = min(delay * 2, MAX_BACKOFF_S)
 
     def report(self, worker_id: str, ok: bool, latency_ms: float, code: str = "") -> None:
         """Tell the router how a call went; batched off the critical path (failures at once)."""
@@ -317,7 +316,8 @@ class Backends:
         timeout = self.settings.request_timeout_s + RUN_STREAM_SLACK_S
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
-        seen, submitted, delay = 0, False, BACKOFF_S
+        seen, submitted = 0, False
+        backoff = Backoff(BACKOFF_S, MAX_BACKOFF_S, deadline=end)
         while True:
             pool = self.coordinators
             address = pool.order(await pool.addresses())[0]
@@ -341,7 +341,8 @@ class Backends:
             except Unavailable as exc:
                 error = str(exc)
                 pool.mark_down(address)
-            if loop.time() + delay > end:
+            delay = backoff.next()
+            if delay is None:
                 raise Unavailable(f"run {req.run_id}: no coordinator reported its end ({error})")
             log.info("run %s: %s (%s); following it on a coordinator", req.run_id, error, address)
             if not submitted:
@@ -349,7 +350,6 @@ class Backends:
                 await pool.call(lambda s: s.SubmitRun(req, timeout=timeout))
                 submitted = True
             await asyncio.sleep(delay)
-            delay = min(delay * 2, MAX_BACKOFF_S)
 
     async def _run_chunks(self, rpc: Any) -> AsyncIterator[RunChunk | int]:
         """A run's event stream as chunks, and the sequence number of every event."""
@@ -400,4 +400,5 @@ def workflow_info(g: Any) -> WorkflowInfo:
         {p.name: int(p.type) for p in g.output_ports},
         nodes,
         chat_parts(g),
+        output_flow(g),
     )

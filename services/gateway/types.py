@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from omniflow.dsl.flow import OutputFlow
 from omniflow.sampling import SamplingParams
 
 
@@ -67,6 +68,9 @@ class WorkflowInfo:
     #: graph input -> the chat parts it takes: those of the call inputs it reaches in the
     #: table of operations (``omniflow.dsl.flow.chat_parts``)
     takes: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: graph output -> what it carries: the answer parts of the call outputs it holds in the
+    #: table of operations (``omniflow.dsl.flow.output_flow``)
+    carries: dict[str, OutputFlow] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -45,7 +45,6 @@ from omniflow_services.gateway.protocol import (
 from omniflow_services.gateway.replies import DONE, param_model, sse, streaming, usage, whole
 from omniflow_services.gateway.types import MediaPart, WorkflowInfo
 from omniflow_services.gateway.workflows import (
-    HEARD_OUTPUT,
     Recall,
     answer_output,
     audio_output,
@@ -53,9 +52,13 @@ from omniflow_services.gateway.workflows import (
     chat_inputs,
     chat_turn,
     heard_key,
+    heard_output,
     image_inputs,
     image_outputs,
+    no_audio,
     png_of,
+    rate_output,
+    streamed,
     usage_of,
 )
 
@@ -93,6 +96,8 @@ class _Turn:
     rate: int  # of the PCM the audio node streams
     fmt: str
     heard: MediaPart | None  # the turn's audio: what the run heard is remembered for it
+    info: WorkflowInfo  # what each output carries (the usage, what was heard, the rate)
+    audio_stream: str = ""  # the audio node's streamed output ("pcm")
     node_params: dict[str, dict[str, Any]] | None = None  # the request's, per llm node
 
 
@@ -134,14 +139,11 @@ class WorkflowAPI:
     ) -> _Turn:
         said = chat_turn(messages, self.recall)
         inputs = chat_inputs(info, said)
-        answer = answer_output(info)
         audio_out = audio_output(info) if fmt else None
         if fmt and audio_out is None:
-            raise bad_request(
-                f"workflow {name!r} has no audio output (named audio, or an output of a "
-                'talker node): ask for modalities ["text"]',
-                "modalities",
-            )
+            raise bad_request(no_audio(info) + ': ask for modalities ["text"]', "modalities")
+        answer = answer_output(info, audio_out)
+        audio_node = info.outputs.get(audio_out, "") if audio_out else ""
         return _Turn(
             name,
             inputs,
@@ -149,10 +151,12 @@ class WorkflowAPI:
             info.outputs.get(answer, ""),
             info.sources.get(answer) or "text",
             audio_out,
-            info.outputs.get(audio_out, "") if audio_out else "",
+            audio_node,
             audio_rate(info, audio_out) if audio_out else 0,
             fmt or "",
             said.audio,
+            info,
+            streamed(info, audio_node) if audio_node else "",
         )
 
     async def _run(self, turn: _Turn) -> AsyncIterator[tuple[str, str | bytes | dict[str, Any]]]:
@@ -172,12 +176,14 @@ class WorkflowAPI:
                     continue
                 if c.text and c.node == turn.answer_node and c.output == turn.answer_stream:
                     yield "text", c.text
-                elif c.data and turn.audio_out and c.node == turn.audio_node and c.output == "pcm":
-                    yield "pcm", c.data
+                elif c.data and turn.audio_stream and c.node == turn.audio_node:
+                    if c.output == turn.audio_stream:
+                        yield "pcm", c.data
         raise APIError(500, f"workflow {turn.name!r} ended without a result", "server_error")
 
     def _remember_heard(self, turn: _Turn, outputs: dict[str, Any]) -> None:
-        heard = outputs.get(HEARD_OUTPUT)
+        out = heard_output(turn.info)
+        heard = outputs.get(out) if out else None
         if turn.heard is not None and isinstance(heard, str) and heard:
             self.recall.put(heard_key(turn.heard.data), heard)
 
@@ -213,7 +219,7 @@ class WorkflowAPI:
             created=created,
             model=req.model,
             choices=[choice],
-            usage=usage(*usage_of(outputs)),
+            usage=usage(*usage_of(turn.info, outputs)),
         )
 
     def _audio_of(self, turn: _Turn, outputs: dict[str, Any]) -> bytes:
@@ -226,7 +232,7 @@ class WorkflowAPI:
                 f"{type(value).__name__})",
                 "server_error",
             )
-        rate = outputs.get("sample_rate")
+        rate = _rate(turn, outputs)
         return audio.encode(
             value, rate if isinstance(rate, int) and rate > 0 else turn.rate, turn.fmt
         )
@@ -286,7 +292,7 @@ class WorkflowAPI:
             if tail:
                 sent_pcm += len(tail)
                 yield chunk(sound(tail))
-            rate = outputs.get("sample_rate")
+            rate = _rate(turn, outputs)
             if sent_pcm and isinstance(rate, int) and rate and rate != turn.rate:
                 log.warning(
                     "workflow %s streamed PCM at %d Hz, not the %d Hz its talker node implies",
@@ -307,7 +313,7 @@ class WorkflowAPI:
                     created=created,
                     model=req.model,
                     choices=[],
-                    usage=usage(*usage_of(outputs)),
+                    usage=usage(*usage_of(turn.info, outputs)),
                 )
             )
         yield DONE
@@ -436,6 +442,12 @@ def _param_of(message: str) -> str | None:
 def _text(outputs: dict[str, Any], name: str) -> str:
     value = outputs.get(name, "")
     return value if isinstance(value, str) else str(value)
+
+
+def _rate(turn: _Turn, outputs: dict[str, Any]) -> Any:
+    """The talker's rate a run gave (its output carrying ``sample_rate``), else None."""
+    out = rate_output(turn.info, turn.audio_out) if turn.audio_out else None
+    return outputs.get(out) if out else None
 
 
 def _audio_id() -> str:

@@ -18,10 +18,23 @@ it, and so is a part that two inputs take):
   stands as what was heard, an assistant ``audio: {id}`` as its transcript (both remembered
   by :class:`Recall`).
 
-What the answer takes, by output name: the text (``answer``, ``text``, ``output``,
-``response``, else the last output), the audio (``audio``, ``speech``, ``wav``, ``pcm``, or
-an output of a talker node), what was heard (``transcript``) and the token counts
-(``prompt_tokens``, ``cached_tokens``, ``completion_tokens``).
+What the answer takes is what each workflow output carries, never guessed from a name: the
+answer parts of the call outputs it holds (``WorkflowInfo.carries``, from the table's
+``answers``, ``omniflow.dsl.flow.output_flow``):
+
+- the reply's text: the output carrying ``text`` (``llm.generate``'s text; a TEXT output of
+  an operation outside the table), else ``heard`` (``encoder.transcribe``'s text); of several,
+  the one no later call rewrites (``draft`` fed into the call that writes ``answer``); two
+  from different calls, neither rewritten, are a 400 naming them;
+- the spoken reply: the output carrying ``audio`` (``talker.synthesize``'s wav or pcm), and
+  its rate from the one carrying that talker's ``sample_rate``;
+- what was heard: the output carrying ``heard`` (remembered for later turns);
+- the usage: the outputs carrying ``prompt_tokens``, ``cached_tokens``,
+  ``completion_tokens`` (summed when several do);
+- an image request's PNG: the output carrying ``image`` (``diffusion.generate_image``'s
+  image), and as ``revised_prompt`` an output holding the prompt that call draws.
+
+A workflow with no output the answer can take is a 400 that says what is missing.
 """
 
 from __future__ import annotations
@@ -37,16 +50,12 @@ from typing import Any
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.errors import InvalidArgument, OmniflowError
-from omniflow.operations import OPERATIONS
+from omniflow.operations import OPERATIONS, operation
 from omniflow.values import VType
 from omniflow_services.gateway.audio import TALKER_DEFAULT_RATE
 from omniflow_services.gateway.types import MediaPart, WorkflowInfo
 
-ANSWER_OUTPUTS = ("answer", "text", "output", "response")
-AUDIO_OUTPUTS = ("audio", "speech", "wav", "pcm")
-IMAGE_OUTPUTS = ("image", "png")
-REVISED_PROMPT_OUTPUTS = ("revised_prompt", "prompt_used", "final_prompt")
-HEARD_OUTPUT = "transcript"
+USAGE_PARTS = ("prompt_tokens", "cached_tokens", "completion_tokens")
 AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg"}
 _BINARY = (VType.ANY, VType.BYTES, VType.MEDIA)
 # The kinds of workflow input that can hold each chat part.
@@ -259,22 +268,87 @@ def chat_inputs(info: WorkflowInfo, turn: ChatTurn) -> dict[str, Any]:
     return inputs
 
 
-def answer_output(info: WorkflowInfo) -> str:
-    if not info.outputs:
-        raise InvalidArgument(f"workflow {info.name!r} has no outputs to answer with")
-    return next((o for o in ANSWER_OUTPUTS if o in info.outputs), list(info.outputs)[-1])
+def _givers(part: str) -> str:
+    """The call outputs of the table that carry ``part``, for error messages."""
+    return ", ".join(
+        f"{op.role}.{op.name} {out}"
+        for op in OPERATIONS
+        for out, p in op.answers.items()
+        if p == part
+    )
+
+
+def carrying(info: WorkflowInfo, part: str) -> str | None:
+    """The output of ``info`` that carries the answer part ``part`` (None when none does):
+    of several, those no later call rewrites into another of them; a 400 when those still
+    come from different calls, as the gateway cannot tell which one answers."""
+    flows = info.carries
+    given = [o for o in info.outputs if o in flows and part in flows[o].parts]
+    last = [o for o in given if not any(f in given for f in flows[o].feeds)]
+    if len({flows[o].calls for o in last}) > 1:
+        raise InvalidArgument(
+            f"workflow {info.name!r} has {len(last)} outputs that carry the answer's {part} "
+            f"({', '.join(last)}: each holds {_givers(part) or 'a TEXT output'} of another "
+            "call, and no call rewrites one into another), so the gateway cannot tell which "
+            "one answers; run it through the coordinator's API instead"
+        )
+    return last[0] if last else None
+
+
+def answer_output(info: WorkflowInfo, audio_out: str | None = None) -> str:
+    """The output whose text answers: the one carrying the reply's ``text``, else what was
+    ``heard``; "" when only ``audio_out`` answers (a spoken reply with no text); a 400
+    naming what is missing when none."""
+    found = carrying(info, "text") or carrying(info, "heard")
+    if found is not None:
+        return found
+    if audio_out is not None:
+        return ""
+    names = ", ".join(info.outputs) or "none"
+    raise InvalidArgument(
+        f"workflow {info.name!r} has no output a chat can show: none of its outputs ({names}) "
+        f"carries a reply's text ({_givers('text')}, or a TEXT output of an operation of "
+        f"your own) or a transcript ({_givers('heard')})"
+    )
 
 
 def audio_output(info: WorkflowInfo) -> str | None:
-    """The output that holds the spoken answer, if the workflow has one."""
-    for name in AUDIO_OUTPUTS:
-        if name in info.outputs and info.output_types.get(name, 0) in _BINARY:
-            return name
-    for name, node in info.outputs.items():
-        call = info.nodes.get(node)
-        if call is not None and call.role == "talker" and info.sources.get(name) in AUDIO_OUTPUTS:
-            return name
-    return None
+    """The output that holds the spoken answer (``talker.synthesize``'s wav or pcm), if the
+    workflow has one."""
+    return carrying(info, "audio")
+
+
+def no_audio(info: WorkflowInfo) -> str:
+    """Why ``info`` cannot speak, for a 400."""
+    return (
+        f"workflow {info.name!r} has no audio output (none of its outputs carries "
+        f"{_givers('audio')})"
+    )
+
+
+def rate_output(info: WorkflowInfo, audio_out: str) -> str | None:
+    """The output carrying the ``sample_rate`` of the talker that gives ``audio_out``."""
+    calls = info.carries[audio_out].calls
+    return next(
+        (
+            o
+            for o, flow in info.carries.items()
+            if "sample_rate" in flow.parts and flow.calls & calls
+        ),
+        None,
+    )
+
+
+def heard_output(info: WorkflowInfo) -> str | None:
+    """The output carrying what the run heard (``encoder.transcribe``'s text), if any."""
+    return next((o for o, flow in info.carries.items() if "heard" in flow.parts), None)
+
+
+def streamed(info: WorkflowInfo, node: str) -> str:
+    """The output a top-level call node streams (the table's ``streams``; "" when none)."""
+    call = info.nodes.get(node)
+    op = operation(call.role, call.operation) if call is not None else None
+    return op.streams if op is not None else ""
 
 
 def audio_rate(info: WorkflowInfo, output: str) -> int:
@@ -285,10 +359,19 @@ def audio_rate(info: WorkflowInfo, output: str) -> int:
     return int(rate) if isinstance(rate, int) and rate > 0 else TALKER_DEFAULT_RATE
 
 
-def usage_of(outputs: dict[str, Any]) -> tuple[int, int, int]:
-    """(prompt, cached, completion) tokens of a run, from outputs of those names (0 if absent)."""
-    got = [outputs.get(k, 0) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")]
-    p, c, n = (v if isinstance(v, int) and not isinstance(v, bool) else 0 for v in got)
+def usage_of(info: WorkflowInfo, outputs: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt, cached, completion) tokens of a run: the outputs carrying each, summed (0
+    when none does)."""
+    p, c, n = (
+        sum(
+            v
+            for o, flow in info.carries.items()
+            if part in flow.parts
+            and isinstance(v := outputs.get(o), int)
+            and not isinstance(v, bool)
+        )
+        for part in USAGE_PARTS
+    )
     return p, c, n
 
 
@@ -323,23 +406,17 @@ def image_inputs(
 
 
 def image_outputs(info: WorkflowInfo) -> tuple[str, str | None]:
-    """(the output holding the PNG, the output holding the prompt that was drawn)."""
-    image = next((o for o in IMAGE_OUTPUTS if o in info.outputs), None)
-    if image is None:
-        image = next(
-            (
-                o
-                for o, node in info.outputs.items()
-                if node in info.nodes and info.nodes[node].role == "diffusion"
-            ),
-            None,
-        )
+    """(the output holding the PNG, the output holding the prompt that was drawn): the
+    outputs carrying ``diffusion.generate_image``'s image and the prompt it draws."""
+    image = carrying(info, "image")
     if image is None:
         raise InvalidArgument(
-            f"workflow {info.name!r} has no image output (named image, or an output of a "
-            "diffusion node): it cannot serve /v1/images/generations"
+            f"workflow {info.name!r} has no image output (none of its outputs carries "
+            f"{_givers('image')}): it cannot serve /v1/images/generations"
         )
-    revised = next((o for o in REVISED_PROMPT_OUTPUTS if o in info.outputs), None)
+    drawn = [o for o, flow in info.carries.items() if flow.drawn]
+    # A prompt a call wrote (the rewrite) over the user's own words passed on.
+    revised = next((o for o in drawn if info.carries[o].calls), drawn[0] if drawn else None)
     return image, revised
 
 

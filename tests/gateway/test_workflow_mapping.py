@@ -24,8 +24,11 @@ from omniflow_services.gateway.workflows import (
     chat_inputs,
     chat_turn,
     heard_key,
+    heard_output,
     image_inputs,
     image_outputs,
+    rate_output,
+    usage_of,
 )
 
 
@@ -255,3 +258,89 @@ def test_voice_names() -> None:
     audio.check_chat_voice("cedar")
     with pytest.raises(InvalidArgument, match=r"audio\.voice 'zz' is not served; accepted: alloy"):
         audio.check_chat_voice("zz")
+
+
+def _example(name: str) -> object:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "examples" / "workflows" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_outputs_are_found_by_what_they_carry_not_by_name() -> None:
+    wf = Workflow("odd-outputs")
+    ask = wf.input("q", VType.TEXT)
+    draft = wf.call("draft", "llm", "generate", prompt=ask)
+    final = wf.call("final", "llm", "generate", prompt=draft["text"])
+    speak = wf.call("say", "talker", "synthesize", text=final["text"], params={"sample_rate": 8000})
+    wf.output("zz_draft", draft["text"])  # rewritten by the call that gives 'reply'
+    wf.output("reply", final["text"])
+    wf.output("noise", speak["wav"])
+    wf.output("hz", speak["sample_rate"])
+    wf.output("used", final["prompt_tokens"])
+    wf.output("wrote", final["completion_tokens"])
+    wf.output("before", draft["completion_tokens"])
+    info = _info(wf)
+    assert answer_output(info) == "reply"
+    assert audio_output(info) == "noise" and rate_output(info, "noise") == "hz"
+    assert heard_output(info) is None
+    outputs = {"used": 5, "wrote": 7, "before": 2, "reply": "hi", "hz": 8000}
+    assert usage_of(info, outputs) == (5, 0, 9)  # completions of both calls shown, summed
+    assert info.carries["zz_draft"].feeds == frozenset({"reply", "used", "wrote"})
+
+
+def test_an_answer_that_is_only_heard_and_one_a_user_operation_gives() -> None:
+    hear = Workflow("hear")
+    said = hear.call("asr", "encoder", "transcribe", audio=hear.input("a", VType.BYTES))
+    hear.output("words", said["text"])
+    hear.output("copy", said["text"])  # the same call's value: either answers
+    info = _info(hear)
+    assert answer_output(info) == "words" and heard_output(info) == "words"
+    register_operation("echo", "shout", {"text": VType.TEXT}, {"loud": VType.TEXT})
+    mine = Workflow("mine")
+    mine.output("x", mine.call("s", "echo", "shout", text=mine.input("t", VType.TEXT))["loud"])
+    assert answer_output(_info(mine)) == "x"
+
+
+def test_no_output_a_chat_can_show_or_two_answers_are_400s_naming_them() -> None:
+    wf = Workflow("counts")
+    wf.output(
+        "n", wf.call("a", "llm", "generate", prompt=wf.input("q", VType.TEXT))["cached_tokens"]
+    )
+    with pytest.raises(
+        InvalidArgument,
+        match=r"workflow 'counts' has no output a chat can show: none of its outputs \(n\) "
+        r"carries a reply's text \(llm.generate text",
+    ):
+        answer_output(_info(wf))
+    two = Workflow("two-answers")
+    q = two.input("q", VType.TEXT)
+    for name in ("left", "right"):
+        two.output(name, two.call(name, "llm", "generate", prompt=q)["text"])
+    with pytest.raises(InvalidArgument, match=r"2 outputs that carry the answer's text \(left, r"):
+        answer_output(_info(two))
+    mute = Workflow("mute-draw")
+    pic = mute.call("d", "diffusion", "generate_image", prompt=mute.input("p", VType.TEXT))
+    mute.output("w", pic["width"])
+    with pytest.raises(InvalidArgument, match=r"'mute-draw' has no image output \(none of its"):
+        image_outputs(_info(mute))
+
+
+def test_the_examples_answer_by_what_their_outputs_carry() -> None:
+    omni = _example("omni_chat")
+    for wf in (omni.omni_chat, omni.omni_chat_e2e):
+        info = _info(wf)
+        assert answer_output(info) == "text" and audio_output(info) == "audio"
+        assert rate_output(info, "audio") == "sample_rate"
+    assert heard_output(_info(omni.omni_chat)) == "transcript"
+    assert heard_output(_info(omni.omni_chat_e2e)) is None
+    # The prompt drawn is the rewrite the prefill_only call stored the pages of.
+    assert image_outputs(_info(_example("imagegen").imagegen)) == ("image", "prompt_used")
+    assert answer_output(_info(_example("chain").chain)) == "answer"
+    assert answer_output(_info(_example("switch").route)) == "answer"
+    assert answer_output(_info(_example("loop").refine)) == "text"
