@@ -242,6 +242,16 @@ class Graph:
         node.outputs.extend(_ports(sig.outputs))
         return Node(self, node, sig.outputs)
 
+    def _control(
+        self, name: str, inputs: Mapping[str, Any], retry: Retry | None, timeout_ms: int
+    ) -> tuple[cpb.Node, dict[str, VType]]:
+        """A switch, loop or map node (no params, no concurrency bound) and its input kinds."""
+        refs = {k: _as_ref(v) for k, v in inputs.items()}
+        node = self._add(
+            name, refs, retry=retry, timeout_ms=timeout_ms, max_concurrency=0, params=None
+        )
+        return node, {k: r.vtype for k, r in refs.items()}
+
     def _body(self, body: Body, inputs: Mapping[str, VType]) -> tuple[cpb.Subgraph, dict]:
         sub = Graph(inputs)
         outs = body(sub)
@@ -264,11 +274,7 @@ class Graph:
 
         Conditions refer to values of this graph (inputs or node outputs).
         """
-        refs = {k: _as_ref(v) for k, v in inputs.items()}
-        node = self._add(
-            name, refs, retry=retry, timeout_ms=timeout_ms, max_concurrency=0, params=None
-        )
-        types = {k: r.vtype for k, r in refs.items()}
+        node, types = self._control(name, inputs, retry, timeout_ms)
         for case_name, when, body in cases:
             sub, _ = self._body(body, types)
             node.switch.cases.add(name=case_name, when=when, body=sub)
@@ -293,11 +299,7 @@ class Graph:
         Body outputs named like body inputs feed the next iteration; the body may also
         read the input ``iteration`` (0, 1, ...).
         """
-        refs = {k: _as_ref(v) for k, v in inputs.items()}
-        node = self._add(
-            name, refs, retry=None, timeout_ms=timeout_ms, max_concurrency=0, params=None
-        )
-        types = {k: r.vtype for k, r in refs.items()}
+        node, types = self._control(name, inputs, None, timeout_ms)
         sub, out_types = self._body(body, {**types, "iteration": VType.INT})
         body_outs = {k: Ref(None, cpb.Source(graph_input=k), t) for k, t in out_types.items()}
         node.loop.body.CopyFrom(sub)
@@ -321,11 +323,7 @@ class Graph:
     ) -> Node:
         """Run ``body`` once per element of the list ``over`` (bound to the body input
         ``item``); every output becomes the list of the bodies' outputs, in order."""
-        refs = {item: over, **{k: _as_ref(v) for k, v in inputs.items()}}
-        node = self._add(
-            name, refs, retry=retry, timeout_ms=timeout_ms, max_concurrency=0, params=None
-        )
-        types = {k: r.vtype for k, r in refs.items()}
+        node, types = self._control(name, {item: over, **inputs}, retry, timeout_ms)
         node.input_ports.extend(_ports({**types, item: VType.LIST}))
         types[item] = VType.ANY
         sub, out_types = self._body(body, types)
