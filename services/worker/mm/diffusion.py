@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from omniflow.errors import InvalidArgument
 from omniflow.models.tiny_mm import IMAGE_HEAD_MODEL_TYPE
 from omniflow_services.worker.engine.model import DecoderModel
-from omniflow_services.worker.mm.nn import Weights, read_config, sinusoid
+from omniflow_services.worker.mm.nn import open_model, sinusoid
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +66,8 @@ class ImageHead:
     """Latent in/out projections, timestep embedder and latent decoder over a backbone."""
 
     def __init__(self, folder: Path, model: DecoderModel, device: str = "cpu") -> None:
-        c = read_config(folder, IMAGE_HEAD_MODEL_TYPE)
-        self.cfg = c
-        self.model = model
-        w = Weights(folder, device)
+        c, w = open_model(folder, IMAGE_HEAD_MODEL_TYPE, device)
+        self.cfg, self.model = c, model
         self.channels = int(c["latent_channels"])
         self.patch = int(c["latent_patch"])
         self.scale = int(c["vae_scale"])

@@ -32,7 +32,7 @@ from omniflow_services.worker.mm.media import (
     decode_wav,
     log_mel,
 )
-from omniflow_services.worker.mm.nn import EncoderStack, Weights, read_config, sinusoid
+from omniflow_services.worker.mm.nn import EncoderStack, open_model, sinusoid
 from omniflow_services.worker.mm.whisper import WHISPER_MODEL_TYPE, Transcript, WhisperEncoder
 from omniflow_services.worker.mm.whisper_decode import TranscribeOptions
 
@@ -45,9 +45,8 @@ class VisionEncoder:
     kind = IMAGE
 
     def __init__(self, folder: Path, device: str = "cpu") -> None:
-        c = read_config(folder, VISION_MODEL_TYPE)
+        c, w = open_model(folder, VISION_MODEL_TYPE, device)
         self.cfg = c
-        w = Weights(folder, device)
         self.size, self.patch = int(c["image_size"]), int(c["patch_size"])
         self.tokens_per_image = (self.size // self.patch) ** 2
         self.out_hidden = int(c["out_hidden_size"])
@@ -80,9 +79,8 @@ class AudioEncoder:
     kind = AUDIO
 
     def __init__(self, folder: Path, device: str = "cpu") -> None:
-        c = read_config(folder, AUDIO_MODEL_TYPE)
+        c, w = open_model(folder, AUDIO_MODEL_TYPE, device)
         self.cfg = c
-        w = Weights(folder, device)
         self.sample_rate = int(c["sample_rate"])
         self.out_hidden = int(c["out_hidden_size"])
         self.hidden = int(c["hidden_size"])

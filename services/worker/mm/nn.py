@@ -50,6 +50,11 @@ class Weights:
         return self.take(name + ".weight"), self._t.get(name + ".bias")
 
 
+def open_model(folder: Path, model_type: str, device: str) -> tuple[dict[str, Any], Weights]:
+    """A model folder of ``model_type``: its ``config.json`` and its weights on ``device``."""
+    return read_config(folder, model_type), Weights(folder, device)
+
+
 class EncoderStack:
     """Pre-norm bidirectional transformer layers (``layers.{i}.*``) and ``post_norm``."""
 

@@ -33,7 +33,7 @@ from omniflow_services.worker.engine.loader import load_model
 from omniflow_services.worker.engine.model import SeqInput
 from omniflow_services.worker.mm.audio_io import StreamResampler, check_rate, pcm_s16
 from omniflow_services.worker.mm.media import wav_bytes
-from omniflow_services.worker.mm.nn import Weights, read_config
+from omniflow_services.worker.mm.nn import open_model
 from omniflow_services.worker.mm.streaming import iterate_in_thread
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,7 @@ class Vocoder:
     """Codec tokens [n] → waveform [n * hop_length] in [-1, 1]."""
 
     def __init__(self, folder: Path, device: str = "cpu") -> None:
-        c = read_config(folder, VOCODER_MODEL_TYPE)
-        w = Weights(folder, device)
+        c, w = open_model(folder, VOCODER_MODEL_TYPE, device)
         self.sample_rate = int(c["sample_rate"])
         self.hop = int(c["hop_length"])
         self.codec_vocab = int(c["codec_vocab_size"])

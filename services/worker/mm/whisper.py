@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from omniflow.errors import FailedPrecondition, InvalidArgument
 from omniflow_services.worker.mm.audio_io import decode_audio
 from omniflow_services.worker.mm.media import AUDIO, MediaInput
-from omniflow_services.worker.mm.nn import Weights, read_config
+from omniflow_services.worker.mm.nn import Weights, open_model, read_config
 from omniflow_services.worker.mm.whisper_decode import (
     Rules,
     Segment,
@@ -105,9 +105,8 @@ class WhisperModel:
     """Whisper's encoder and decoder over plain tensors (float32 on ``device``)."""
 
     def __init__(self, folder: Path, device: str = "cpu") -> None:
-        c = read_config(folder, WHISPER_MODEL_TYPE)
+        c, w = open_model(folder, WHISPER_MODEL_TYPE, device)
         self.cfg = c
-        w = Weights(folder, device)
         self.d = int(c["d_model"])
         self.mels = int(c["num_mel_bins"])
         self.enc_heads = int(c["encoder_attention_heads"])
