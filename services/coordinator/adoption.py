@@ -16,6 +16,7 @@ from opentelemetry import trace
 
 from omniflow import telemetry
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
+from omniflow.backoff import Backoff
 from omniflow.errors import OmniflowError
 from omniflow.security import policy
 from omniflow.security.identity import Principal
@@ -148,9 +149,7 @@ async def _when_served(
     """Execute an adopted run once the roles it calls are served (or the wait is over: then
     it runs anyway, and its calls fail over or fail with their own reasons)."""
     needed = call_roles(list(graph.nodes))
-    loop = asyncio.get_running_loop()
-    end = loop.time() + m.adopt_wait_s
-    delay = 0.2
+    backoff = Backoff.within(m.adopt_wait_s, 0.2, 2.0)
     while m.roles_served is not None and needed:
         try:
             missing = needed - await m.roles_served()
@@ -158,12 +157,12 @@ async def _when_served(
             missing = {f"(no answer: {exc})"}
         if not missing:
             break
-        if loop.time() + delay > end:
+        delay = backoff.next()
+        if delay is None:
             log.warning("run %s: resumed although %s not served after %.0f s", live.run.run_id,
                         ", ".join(sorted(missing)), m.adopt_wait_s)  # fmt: skip
             break
         await asyncio.sleep(delay)
-        delay = min(delay * 2, 2.0)
     await m._execute(live, graph, values, graph.default_deadline_ms, span, {})
 
 

@@ -46,6 +46,7 @@ from typing import Any
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.backoff import Backoff
 from omniflow.client import Client
 from omniflow.dsl import Retry, VType, Workflow
 from omniflow.errors import OmniflowError
@@ -243,7 +244,7 @@ class Load:
 
     async def workflow(self, prompt: str, retries: int = RETRIES) -> tuple[str, str]:
         """(outcome, detail) of one workflow run."""
-        backoff = 0.25
+        backoff = Backoff(0.25, MAX_BACKOFF_S)
         why = ""
         for attempt in range(retries + 1):
             run_id = uuid.uuid4().hex
@@ -259,8 +260,7 @@ class Load:
                 why = f"run {run_id}: {type(exc).__name__}: {exc}"
                 if attempt == retries:
                     return "lost", why
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                await backoff.wait()
                 continue
             if final.state == cpb.RUN_STATE_SUCCEEDED:
                 text = final.outputs["text"].text
@@ -270,8 +270,7 @@ class Load:
             why = f"run {run_id}: {final.error or 'failed with no reason'}"
             if not final.error or attempt == retries:
                 return "lost", why
-            await asyncio.sleep(backoff)  # a failure with a reason: submit again
-            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            await backoff.wait()  # a failure with a reason: submit again
         return "lost", "unreachable"
 
     async def _generate_once(self, prompt: str, timeout_s: float, router: int = 0) -> str:
@@ -291,7 +290,7 @@ class Load:
         """(outcome, detail) of one generation through the router's worker proxy. An
         attempt tries each router replica in turn (failover, not a retry); a retry comes
         after every replica failed, with backoff."""
-        backoff = 0.25
+        backoff = Backoff(0.25, MAX_BACKOFF_S)
         why = ""
         for attempt in range(retries + 1):
             for router in range(self.topo.replicas):
@@ -305,8 +304,7 @@ class Load:
                     return "wrong", f"direct: {text!r} != {self.direct_answer(prompt)!r}"
                 return ("ok", "") if attempt == 0 else ("retried", why)
             if attempt < retries:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                await backoff.wait()
         return "lost", why
 
     async def _complete_once(self, prompt: str, timeout_s: float, kind: str = "text") -> str:
@@ -343,7 +341,7 @@ class Load:
         backoff, as a well-behaved client does."""
         answers = {"workflow": self.expected, "chat": self.expected_chat}
         expected = answers.get(kind, self.expected_gateway)[prompt]
-        backoff = 0.25
+        backoff = Backoff(0.25, MAX_BACKOFF_S)
         why = ""
         for attempt in range(retries + 1):
             try:
@@ -351,8 +349,7 @@ class Load:
             except (GatewayError, OSError, TimeoutError, RuntimeError) as exc:
                 why = f"gateway {kind}: {type(exc).__name__}: {exc}"
                 if attempt < retries:
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    await backoff.wait()
                 continue
             if text != expected:
                 return "wrong", f"gateway {kind}: {text!r} != {expected!r}"
