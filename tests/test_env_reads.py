@@ -1,10 +1,11 @@
-"""Every ``OMNIFLOW_*`` variable is read through ``omniflow.config`` (a declared setting, so
-it is in the README's generated table): an ``ast`` walk of the library and the services
-finds no ``os.environ`` / ``os.getenv`` read of such a name outside ``config.py``.
+"""Every ``OMNIFLOW_*`` variable, and the ``OTEL_*`` and ``CONSUL_*`` ones the settings
+declare, is read through ``omniflow.config`` (a declared setting, so it is in the README's
+generated table): an ``ast`` walk of the library and the services finds no ``os.environ`` /
+``os.getenv`` read of such a name outside ``config.py``.
 
 Writing the environment (a child process's env, ``os.environ[...] = ...``, ``setdefault``
-before a process reads its settings) is fine; so are other tools' own variables (OTEL_*,
-UCX_*, OMP_NUM_THREADS), read as those tools define them."""
+before a process reads its settings) is fine; so are the threading and transport variables
+other libraries own (OMP_NUM_THREADS, UCX_NET_DEVICES), read as they define them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TREES = (ROOT / "libs" / "omniflow", ROOT / "services")
 CONFIG = ROOT / "libs" / "omniflow" / "config.py"
+DECLARED = ("OMNIFLOW_", "OTEL_", "CONSUL_")  # the prefixes of the variables settings declare
 
 
 def _is_environ(node: ast.AST) -> bool:
@@ -88,7 +90,7 @@ def test_no_omniflow_variable_is_read_outside_config() -> None:
             if path == CONFIG or "__pycache__" in path.parts or "api" in path.parts:
                 continue
             for line, name in environment_reads(path.read_text()):
-                if name.startswith("OMNIFLOW_") or name == "?":
+                if name.startswith(DECLARED) or name == "?":
                     bad.append(f"{path.relative_to(ROOT)}:{line} reads {name}")
     assert not bad, (
         "read these through omniflow.config (declare a setting; it joins the README's "

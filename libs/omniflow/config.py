@@ -288,6 +288,33 @@ class SecuritySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class TelemetrySettings:
+    """OpenTelemetry's own variables, as its SDK defines them (``omniflow.telemetry`` reads
+    them once per process; the OTLP exporter reads its endpoint itself)."""
+
+    traces_exporter: str = setting(
+        "OTEL_TRACES_EXPORTER",
+        "",
+        "span exporter: otlp, console or none; empty: otlp when an OTLP endpoint is set",
+    )
+    traces_endpoint: str = setting(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "", "where OTLP spans go (gRPC)"
+    )
+    endpoint: str = setting(
+        "OTEL_EXPORTER_OTLP_ENDPOINT", "", "OTLP endpoint when the traces one is unset"
+    )
+    sdk_disabled: str = setting("OTEL_SDK_DISABLED", "", "true: no tracing SDK in the process")
+    service_name: str = setting(
+        "OTEL_SERVICE_NAME", "", "service name on the spans; empty: the service's own"
+    )
+    propagators: str = setting(
+        "OTEL_PROPAGATORS",
+        "",
+        "set: the SDK's configured propagators; empty: W3C trace context only (cheaper)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class LocalSettings:
     """What ``omniflow up`` and the clients started on this machine (the CLI, ``Client``)
     read: the run folder and where the coordinator is. The last three are variables the

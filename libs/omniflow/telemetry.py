@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
@@ -36,6 +35,8 @@ from opentelemetry.sdk.trace.export import (
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from omniflow.config import TelemetrySettings, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,9 @@ _provider: TracerProvider | None = None
 
 
 def _exporter_from_env() -> SpanExporter | None:
-    kind = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
+    env = load_settings(TelemetrySettings)
+    kind = env.traces_exporter.strip().lower()
+    endpoint = env.traces_endpoint or env.endpoint
     if not kind:
         kind = "otlp" if endpoint else "none"
     if kind == "none":
@@ -96,7 +96,8 @@ def setup_tracing(
         if exporter is not None:
             _provider.add_span_processor(SimpleSpanProcessor(exporter))
         return _provider
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    env = load_settings(TelemetrySettings)
+    if env.sdk_disabled.strip().lower() == "true":
         return None
     processor: SpanProcessor | None = None
     if exporter is not None:
@@ -108,7 +109,7 @@ def setup_tracing(
     if processor is None and not record:
         log.debug("no trace exporter configured: propagating context only")
         return None
-    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+    name = env.service_name or service_name
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
     if processor is not None:
         provider.add_span_processor(processor)

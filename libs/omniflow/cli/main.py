@@ -11,7 +11,13 @@ from pathlib import Path
 from omniflow.cli import certs as certs_cli
 from omniflow.cli import deploy as deploy_cli
 from omniflow.cli import workflow as workflow_cli
-from omniflow.config import CommonSettings, LocalSettings, SecuritySettings, settings_table
+from omniflow.config import (
+    CommonSettings,
+    LocalSettings,
+    SecuritySettings,
+    TelemetrySettings,
+    settings_table,
+)
 from omniflow.errors import OmniflowError
 from omniflow.logsetup import setup_logging
 
@@ -47,7 +53,8 @@ def service_settings(service: str) -> type[CommonSettings]:
 def _settings_table() -> str:
     services = (service_settings(s) for s in SERVICE_SETTINGS)
     # LocalSettings last: the service variables it also reads keep their services' rows.
-    return settings_table(CommonSettings, SecuritySettings, *services, LocalSettings)
+    classes = (CommonSettings, SecuritySettings, TelemetrySettings, *services, LocalSettings)
+    return settings_table(*classes)
 
 
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"

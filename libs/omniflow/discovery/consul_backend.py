@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,7 @@ import consul
 import requests
 
 from omniflow.backoff import Backoff
+from omniflow.config import CommonSettings, load_settings
 from omniflow.discovery.base import (
     DiscoveryError,
     KeepAlive,
@@ -107,11 +107,12 @@ class ConsulRegistry(Registry):
             raise InvalidArgument(f"bad consul check kind {check!r}: accepted 'ttl', 'grpc'")
         if timeout_s <= 0 or watch_wait_s <= 0 or grpc_interval_s <= 0:
             raise InvalidArgument("timeout_s, watch_wait_s and grpc_interval_s must be > 0")
-        address = address or os.environ.get("CONSUL_HTTP_ADDR") or "127.0.0.1:8500"
+        common = load_settings(CommonSettings)
+        address = address or common.consul_addr or "127.0.0.1:8500"
         self._scheme, self._host, self._port = _parse_agent_address(address)
         self._address = address
         # An explicit token wins; py-consul itself would prefer the environment's.
-        self._token = token or os.environ.get("CONSUL_HTTP_TOKEN") or None
+        self._token = token or common.consul_token or None
         self._check = check
         self._grpc_interval_s = grpc_interval_s
         self._grpc_service = grpc_service

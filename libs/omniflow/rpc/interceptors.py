@@ -14,7 +14,6 @@ import asyncio
 import contextvars
 import inspect
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -26,6 +25,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from omniflow import errors, telemetry
+from omniflow.config import TelemetrySettings, load_settings
 from omniflow.rpc.status import domain_error, error_from_rpc, status_of
 from omniflow.security import policy
 from omniflow.security.identity import Identity
@@ -247,7 +247,7 @@ def _propagator() -> Any:
     Calling the trace-context propagator directly skips the baggage pass of the default
     composite: half the cost of extract/inject on every call.
     """
-    if os.environ.get("OTEL_PROPAGATORS"):
+    if load_settings(TelemetrySettings).propagators:
         return propagate.get_global_textmap()
     return TraceContextTextMapPropagator()
 
