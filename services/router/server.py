@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -125,6 +125,18 @@ def _header(context: grpc.aio.ServicerContext, key: str) -> str:
     return ""
 
 
+def _unary_proxy(method: str) -> Callable[..., Awaitable[Any]]:
+    """The WorkerService method ``method`` of the proxy: the call forwarded to a picked
+    worker (``ProxyServicer._unary``)."""
+
+    async def forward(self: ProxyServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unary(method, request, context)
+
+    forward.__name__ = method
+    forward.__qualname__ = f"ProxyServicer.{method}"
+    return forward
+
+
 class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
     """The worker API, forwarded to a worker the router picks."""
 
@@ -150,6 +162,24 @@ class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
         left = remaining_s()
         return self.app.settings.proxy_timeout_s if left is None else max(left, 0.0)
 
+    def _failed(
+        self,
+        exc: OmniflowError,
+        wid: str,
+        ticket: int,
+        first: bool,
+        method: str,
+        context: grpc.aio.ServicerContext,
+    ) -> bool:
+        """Record a proxied call's failure on ``wid``; True when it is tried once more on
+        another worker: the first try (nothing streamed yet) of a retryable call failed with
+        UNAVAILABLE."""
+        self.app.table.finish(wid, ticket, False, exc.code_name)
+        if first and isinstance(exc, Unavailable) and self._retryable(method, context):
+            self.app.table.count("proxy_retries")
+            return True
+        return False
+
     async def _unary(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         exclude: tuple[str, ...] = ()
         for attempt in (1, 2):
@@ -160,13 +190,7 @@ class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
             try:
                 reply = await getattr(stub, method)(request, timeout=self._timeout())
             except OmniflowError as exc:
-                self.app.table.finish(wid, ticket, False, exc.code_name)
-                if (
-                    attempt == 1
-                    and isinstance(exc, Unavailable)
-                    and self._retryable(method, context)
-                ):
-                    self.app.table.count("proxy_retries")
+                if self._failed(exc, wid, ticket, attempt == 1, method, context):
                     exclude = (wid,)
                     continue
                 raise
@@ -193,14 +217,7 @@ class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
                     sent = True
                     yield item
             except OmniflowError as exc:
-                self.app.table.finish(wid, ticket, False, exc.code_name)
-                if (
-                    attempt == 1
-                    and not sent
-                    and isinstance(exc, Unavailable)
-                    and self._retryable(method, context)
-                ):
-                    self.app.table.count("proxy_retries")
+                if self._failed(exc, wid, ticket, attempt == 1 and not sent, method, context):
                     exclude = (wid,)
                     continue
                 raise
@@ -221,23 +238,13 @@ class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
         async for item in self._stream("Synthesize", request, context):
             yield item
 
-    async def Encode(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary("Encode", request, context)
-
-    async def GenerateImage(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary("GenerateImage", request, context)
-
-    async def Invoke(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary("Invoke", request, context)
-
-    async def GetInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary("GetInfo", request, context)
-
-    async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary("GetLoad", request, context)
-
-    async def LoadModel(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary("LoadModel", request, context)
+    # The unary methods, each forwarded to a picked worker by _unary.
+    Encode = _unary_proxy("Encode")
+    GenerateImage = _unary_proxy("GenerateImage")
+    Invoke = _unary_proxy("Invoke")
+    GetInfo = _unary_proxy("GetInfo")
+    GetLoad = _unary_proxy("GetLoad")
+    LoadModel = _unary_proxy("LoadModel")
 
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
