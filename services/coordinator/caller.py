@@ -20,7 +20,6 @@ set), rendered with the model's own chat template.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -29,10 +28,11 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
-from omniflow.errors import InvalidArgument, OmniflowError
+from omniflow.errors import InvalidArgument
 from omniflow.finish import finish_from_proto
 from omniflow.kv.wire import namespace_fields, parse_namespace, read_namespace, set_namespace
 from omniflow.operations import operation as table_op
+from omniflow.outcomes import OutcomeReports
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.sampling import SamplingParams
@@ -132,7 +132,6 @@ def image_request(req: CallRequest) -> worker_pb2.GenerateImageRequest:
     return msg
 
 
-REPORT_INTERVAL_S = 0.02
 KV_AWARE = router_pb2.STRATEGY_KV_AWARE
 # With a history or media the Pick goes without hints: a hint covers one user turn only.
 _NO_HINTS = ("messages", "media")
@@ -155,8 +154,7 @@ class GrpcWorkerCaller:
         self.pick_timeout_s, self.call_timeout_s = pick_timeout_s, call_timeout_s
         self._channels: dict[str, TracedChannel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
-        self._outcomes: list[router_pb2.ReportOutcomeRequest] = []
-        self._reporter: asyncio.Task[None] | None = None
+        self._outcomes = OutcomeReports(router, pick_timeout_s)
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
         # One channel and one stub per worker address: a stub builds a callable per
@@ -371,34 +369,13 @@ class GrpcWorkerCaller:
         }
 
     async def report(self, target: Target, ok: bool, latency_ms: float, code: str) -> None:
-        # Off the critical path: outcomes are batched into one ReportOutcomes call per
-        # REPORT_INTERVAL_S (failures at once, so that breakers react quickly).
-        self._outcomes.append(
-            router_pb2.ReportOutcomeRequest(
-                worker_id=target.worker_id, success=ok, latency_ms=latency_ms, error_code=code
-            )
-        )
-        if self._reporter is None or self._reporter.done():
-            urgent = not ok and code != UNUSED_PICK_CODE  # a released pick can wait
-            self._reporter = asyncio.create_task(
-                self._send_reports(0.0 if urgent else REPORT_INTERVAL_S)
-            )
-
-    async def _send_reports(self, delay: float) -> None:
-        await asyncio.sleep(delay)
-        while self._outcomes:
-            batch, self._outcomes = self._outcomes, []
-            try:
-                stub = await self._router()
-                await stub.ReportOutcomes(
-                    router_pb2.ReportOutcomesRequest(outcomes=batch), timeout=self.pick_timeout_s
-                )
-            except OmniflowError as exc:
-                log.debug("ReportOutcomes (%d) failed: %s", len(batch), exc)
+        # Off the critical path, batched (omniflow.outcomes); failures at once, so that
+        # breakers react quickly, but a released pick can wait.
+        urgent = not ok and code != UNUSED_PICK_CODE
+        self._outcomes.add(target.worker_id, ok, latency_ms, code, urgent=urgent)
 
     async def close(self) -> None:
-        if self._reporter is not None:
-            self._reporter.cancel()
+        await self._outcomes.close()
         if self.hinter is not None:
             await self.hinter.close()
         for channel in self._channels.values():

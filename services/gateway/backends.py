@@ -28,9 +28,10 @@ from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.backoff import Backoff
 from omniflow.discovery import Registry
 from omniflow.dsl.flow import chat_parts, output_flow
-from omniflow.errors import NotFound, OmniflowError, Unavailable
+from omniflow.errors import NotFound, Unavailable
 from omniflow.finish import finish_from_proto
 from omniflow.kv.wire import namespace_fields
+from omniflow.outcomes import OutcomeReports
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.values import from_python, to_python
@@ -49,7 +50,6 @@ from omniflow_services.gateway.types import (
 
 log = logging.getLogger(__name__)
 
-REPORT_INTERVAL_S = 0.02
 RUN_STREAM_SLACK_S = 10.0  # a run's stream outlives its deadline by this much
 
 
@@ -106,8 +106,7 @@ class Backends:
             wait_s,
         )
         self._listing: tuple[float, list[WorkerRecord]] | None = None
-        self._outcomes: list[router_pb2.ReportOutcomeRequest] = []
-        self._reporter: asyncio.Task[None] | None = None
+        self._outcomes = OutcomeReports(self.router, settings.pick_timeout_s)
 
     # ------------------------------------------------------------ discovery
 
@@ -183,28 +182,8 @@ class Backends:
 
     def report(self, worker_id: str, ok: bool, latency_ms: float, code: str = "") -> None:
         """Tell the router how a call went; batched off the critical path (failures at once)."""
-        self._outcomes.append(
-            router_pb2.ReportOutcomeRequest(
-                worker_id=worker_id, success=ok, latency_ms=latency_ms, error_code=code
-            )
-        )
-        if self._reporter is None or self._reporter.done():
-            delay = REPORT_INTERVAL_S if ok else 0.0
-            self._reporter = asyncio.get_running_loop().create_task(self._send_reports(delay))
-
-    async def _send_reports(self, delay: float) -> None:
-        await asyncio.sleep(delay)
-        while self._outcomes:
-            batch, self._outcomes = self._outcomes, []
-            try:
-                # To the router that answered last (outcomes are advice: never waited for).
-                stub = await self.router()
-                await stub.ReportOutcomes(
-                    router_pb2.ReportOutcomesRequest(outcomes=batch),
-                    timeout=self.settings.pick_timeout_s,
-                )
-            except OmniflowError as exc:
-                log.debug("ReportOutcomes (%d) failed: %s", len(batch), exc)
+        # To the router that answered last (outcomes are advice: never waited for).
+        self._outcomes.add(worker_id, ok, latency_ms, code, urgent=not ok)
 
     # ------------------------------------------------------------ workers
 
@@ -374,8 +353,7 @@ class Backends:
             rpc.cancel()
 
     async def close(self) -> None:
-        if self._reporter is not None and not self._reporter.done():
-            await asyncio.wait([self._reporter], timeout=1.0)
+        await self._outcomes.close(wait_s=1.0)
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -181,3 +181,26 @@ async def test_kv_aware_counts_blocks_an_agent_acknowledged_before_the_index_kno
         ]
         # Without it (and no index): by load alone, both workers get picks.
         assert {await pick("") for _ in range(12)} == {"diffusion-n0", "diffusion-n1"}
+
+
+async def test_batched_outcomes_reach_the_router(cluster):
+    """omniflow.outcomes, as the gateway and the coordinator report: successes wait for the
+    batch, a failure goes at once; every outcome reaches the router's breakers."""
+    from omniflow.outcomes import OutcomeReports
+
+    procs = cluster({"llm": 2}, router_env={"OMNIFLOW_ROUTER_BREAKER_THRESHOLD": "3"})
+    async with open_channel(procs["router"].address) as channel:
+        router = router_pb2_grpc.RouterServiceStub(channel)
+
+        async def stub() -> router_pb2_grpc.RouterServiceStub:
+            return router
+
+        reports = OutcomeReports(stub, timeout_s=5.0, interval_s=0.05)
+        reports.add("llm-1", True, 3.0, urgent=False)
+        for _ in range(3):
+            reports.add("llm-0", False, 0.0, "UNAVAILABLE", urgent=True)
+        await reports.close(wait_s=5.0)
+        stats = await router.GetStats(router_pb2.GetStatsRequest())
+        assert stats.breakers["llm-0"] == "open" and stats.breakers["llm-1"] != "open"
+        picks = {(await router.Pick(router_pb2.PickRequest(role="llm"))).worker.worker_id}
+        assert picks == {"llm-1"}
