@@ -147,7 +147,11 @@ class WaitingCaller:
                     # The same worker once back (a restart keeps its address) or another.
                     await self.inner.report(now, False, 0.0, "UNAVAILABLE")
                     now = None  # reported: a pick that fails now leaves nothing to report
-                    now = await self._pick(req, (), backoff)
+                    try:
+                        now = await self._pick(req, (), backoff)
+                    except OmniflowError as gone:  # the worker's failure is the news
+                        why = f"{exc} (no worker of {req.role} since: {gone})"
+                        raise Unavailable(why) from gone
                 except OmniflowError:
                     self._move(picked, now)
                     raise

@@ -150,12 +150,17 @@ async def test_concurrency_limit_deadline_and_cancel_reach_the_workers(cluster):
 
 
 async def test_sigkill_a_worker_mid_run(cluster):
-    procs = cluster({"echo": 2})
+    # How long a call waits for a worker of its role to be back (nobody restarts them here).
+    procs = cluster({"echo": 2}, coordinator_env={"OMNIFLOW_COORDINATOR_WORKER_WAIT_S": "2"})
     async with Client(procs["coordinator"].address) as client:
         await client.register(
             sleeper("retried", 1500, Retry(max_attempts=3, initial_backoff_ms=10))
         )
         await client.register(sleeper("fragile", 1500))
+        # A worker that died under a call is waited out (services/coordinator/waiting.py),
+        # with a retry policy or not, and that is not an attempt of the node's: the first
+        # call is made again on the other worker; the second loses the last one, and fails
+        # once the wait is over.
         for name, expect_ok in (("retried", True), ("fragile", False)):
             run_id = await client.submit(name, {})
             victim = ""
@@ -168,15 +173,13 @@ async def test_sigkill_a_worker_mid_run(cluster):
                     break
             run = await client.get_run(run_id)
             (nap,) = [n for n in run.nodes if n.node == "nap"]
+            assert victim
             if expect_ok:
                 assert finished.state == 3, finished.error  # SUCCEEDED
-                other = to_python(finished.outputs["worker"])
-                assert other != victim and nap.attempts == 2 and nap.worker_id == other
+                assert to_python(finished.outputs["worker"]) != victim and nap.attempts == 1
             else:
                 assert finished.state == 4  # FAILED, naming the node
-                assert "node 'nap' failed: UNAVAILABLE" in finished.error
-                assert f"on worker {victim} after 1 attempt" in finished.error
-            assert victim
+                assert "node 'nap' failed: UNAVAILABLE" in finished.error, finished.error
 
 
 async def test_restarted_coordinator_fails_interrupted_runs_and_keeps_finished_ones(
