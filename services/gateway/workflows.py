@@ -278,12 +278,25 @@ def _givers(part: str) -> str:
     )
 
 
+def _ordered(info: WorkflowInfo) -> list[str]:
+    """The outputs of ``info`` in the order the graph declares them (its output ports; the
+    outputs map of a graph message has no order of its own)."""
+    order = [o for o in info.output_types if o in info.outputs]
+    return order + sorted(set(info.outputs) - set(order))
+
+
+def _carrying(info: WorkflowInfo, part: str) -> list[str]:
+    """The outputs of ``info`` that carry ``part``, in declaration order."""
+    flows = info.carries
+    return [o for o in _ordered(info) if o in flows and part in flows[o].parts]
+
+
 def carrying(info: WorkflowInfo, part: str) -> str | None:
     """The output of ``info`` that carries the answer part ``part`` (None when none does):
     of several, those no later call rewrites into another of them; a 400 when those still
     come from different calls, as the gateway cannot tell which one answers."""
     flows = info.carries
-    given = [o for o in info.outputs if o in flows and part in flows[o].parts]
+    given = _carrying(info, part)
     last = [o for o in given if not any(f in given for f in flows[o].feeds)]
     if len({flows[o].calls for o in last}) > 1:
         raise InvalidArgument(
@@ -304,7 +317,7 @@ def answer_output(info: WorkflowInfo, audio_out: str | None = None) -> str:
         return found
     if audio_out is not None:
         return ""
-    names = ", ".join(info.outputs) or "none"
+    names = ", ".join(_ordered(info)) or "none"
     raise InvalidArgument(
         f"workflow {info.name!r} has no output a chat can show: none of its outputs ({names}) "
         f"carries a reply's text ({_givers('text')}, or a TEXT output of an operation of "
@@ -329,19 +342,13 @@ def no_audio(info: WorkflowInfo) -> str:
 def rate_output(info: WorkflowInfo, audio_out: str) -> str | None:
     """The output carrying the ``sample_rate`` of the talker that gives ``audio_out``."""
     calls = info.carries[audio_out].calls
-    return next(
-        (
-            o
-            for o, flow in info.carries.items()
-            if "sample_rate" in flow.parts and flow.calls & calls
-        ),
-        None,
-    )
+    return next((o for o in _carrying(info, "sample_rate") if info.carries[o].calls & calls), None)
 
 
 def heard_output(info: WorkflowInfo) -> str | None:
     """The output carrying what the run heard (``encoder.transcribe``'s text), if any."""
-    return next((o for o, flow in info.carries.items() if "heard" in flow.parts), None)
+    heard = _carrying(info, "heard")
+    return heard[0] if heard else None
 
 
 def streamed(info: WorkflowInfo, node: str) -> str:
@@ -414,7 +421,7 @@ def image_outputs(info: WorkflowInfo) -> tuple[str, str | None]:
             f"workflow {info.name!r} has no image output (none of its outputs carries "
             f"{_givers('image')}): it cannot serve /v1/images/generations"
         )
-    drawn = [o for o, flow in info.carries.items() if flow.drawn]
+    drawn = [o for o in _ordered(info) if o in info.carries and info.carries[o].drawn]
     # A prompt a call wrote (the rewrite) over the user's own words passed on.
     revised = next((o for o in drawn if info.carries[o].calls), drawn[0] if drawn else None)
     return image, revised
