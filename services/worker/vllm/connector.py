@@ -42,6 +42,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +96,11 @@ RETRY_S = 5.0
 # answer (vLLM asks again when it could not allocate the request's blocks in that step).
 LOOKUP_FRESH_S = 2.0
 LOOKUP_THREADS = 4
+# How long the first ask waits for its lookup (the scheduler's thread blocked off the GIL):
+# answered at once, vLLM schedules the request in this step. Skipped, an idle engine
+# re-asks every millisecond from a busy loop that starves the lookup thread of the GIL;
+# behind the gateway that turned a few-ms lookup into seconds of TTFT (issue 19).
+LOOKUP_WAIT_S = 0.02
 
 
 # --- scheduler → worker metadata ----------------------------------------------------------
@@ -282,7 +288,8 @@ class OmniflowConnector(KVConnectorBase_V1):
         """Leading pages from ``first`` (up to ``pages``) that this node's agent holds or
         can pull; None while the lookup runs. The lookup (``LocatePages`` at the agent,
         ``MatchPrefix`` at the index) runs on a thread, so that the scheduler's step never
-        waits on the network: the first ask starts it, a later one reads its answer."""
+        waits on the network for long: the first ask starts it and waits at most
+        ``LOOKUP_WAIT_S`` for it, a later one reads its answer."""
         rid = request.request_id
         lk = self._lookups.get(rid)
         if lk is not None and lk.first <= first:
@@ -304,9 +311,16 @@ class OmniflowConnector(KVConnectorBase_V1):
             self._lookup_pool = ThreadPoolExecutor(
                 LOOKUP_THREADS, thread_name_prefix="omniflow-kv-lookup"
             )
-        self._lookups[rid] = _Lookup(first, self._lookup_pool.submit(self._lookup, hashes))
+        future = self._lookup_pool.submit(self._lookup, hashes)
+        self._lookups[rid] = _Lookup(first, future)
         self.stats["lookups"] += 1
-        return None
+        try:
+            future.result(timeout=LOOKUP_WAIT_S)
+        except FuturesTimeout:
+            return None  # vLLM asks again on a later step
+        except Exception:
+            pass  # the answer path below counts it and recomputes
+        return self._looked_up(request, first, pages)
 
     def _lookup(self, hashes: list[bytes]) -> int:
         # The namespace registration also happens here, off the step.
