@@ -364,8 +364,11 @@ async def warm(url: str) -> None:
     await client.close()
 
 
-def level_on(url: str, conc: int, args: argparse.Namespace, offset: int) -> dict[str, dict]:
-    """One concurrency level on one server: this script's client, then aiperf."""
+def level_on(
+    url: str, conc: int, args: argparse.Namespace, offset: int, artifacts: Path
+) -> dict[str, dict]:
+    """One concurrency level on one server: this script's client, then aiperf (its files
+    under ``artifacts``, in the run folder)."""
     out: dict[str, dict] = {}
     if "load" in args.parts:
         out["sdk"] = asyncio.run(load_level(url, conc, args.max_tokens, offset, args.requests))
@@ -373,7 +376,7 @@ def level_on(url: str, conc: int, args: argparse.Namespace, offset: int) -> dict
         row = aiperf_rows.profile(
             url, MODEL, args.tokenizer, concurrency=conc,
             requests=max(args.aiperf_requests, 2 * conc), isl=args.aiperf_isl,
-            osl=args.aiperf_osl,
+            osl=args.aiperf_osl, artifacts=artifacts,
         )  # fmt: skip
         out["aiperf"] = row.as_dict()
     return out
@@ -477,7 +480,8 @@ def main() -> int:
                                                            args.aiperf) else ()):  # fmt: skip
                 order = up[li % len(up) :] + up[: li % len(up)]  # rotated per level
                 for sys_ in order:
-                    got = level_on(sys_.url, conc, args, offset=7 * li)
+                    files = tmp / sys_.name / f"aiperf-c{conc}"
+                    got = level_on(sys_.url, conc, args, 7 * li, files)
                     res[sys_.name][f"c{conc}"] = got
                     print(f"  {LABEL[sys_.name]}, concurrency {conc}: {got}  "
                           f"(load {load_avg()})", flush=True)  # fmt: skip
