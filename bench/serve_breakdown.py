@@ -303,6 +303,11 @@ async def topology_part(of, pre: Preprocessor, args: argparse.Namespace) -> dict
     return out
 
 
+def index_address(run_dir: Path) -> str:
+    """The kv-index's address, from the ready file its launcher wrote in the run folder."""
+    return json.loads(next(run_dir.glob("kv-index.ready*")).read_text())["address"]
+
+
 async def rpc_steps(
     of, procs_dir: Path, pre: Preprocessor, msgs: list[dict], samples: int
 ) -> dict[str, float]:
@@ -311,7 +316,7 @@ async def rpc_steps(
     hashes = pre.block_hashes(ids)
     rch = open_channel(of.router, default_timeout_s=10, max_in_flight=None)
     router = router_pb2_grpc.RouterServiceStub(rch)
-    index_addr = json.loads((procs_dir / "kv-index.ready").read_text())["address"]
+    index_addr = index_address(procs_dir)
     ich = open_channel(index_addr, default_timeout_s=10, max_in_flight=None)
     index = kvindex_pb2_grpc.KVIndexServiceStub(ich)
     redis = redis_client(of.base["OMNIFLOW_REDIS_URL"], 5.0)
