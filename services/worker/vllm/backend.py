@@ -98,8 +98,8 @@ def sampling_to_vllm(p: SamplingParams) -> dict[str, Any]:
 
 def structured_to_vllm(so: StructuredOutput | None) -> Any:
     """A ``StructuredOutput`` as vLLM's ``StructuredOutputsParams`` of the same kind (None:
-    free text); whitespace inside JSON is vLLM's engine setting (``structured_outputs_config``;
-    its default allows it, as the built-in engine does)."""
+    free text); whitespace inside JSON is vLLM's engine setting (``structured_outputs_config``,
+    which ``engine_kwargs`` sets to compact JSON)."""
     if so is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams
@@ -212,6 +212,15 @@ class VLLMConfig:
             "enforce_eager": self.enforce_eager,
             "disable_log_stats": False,  # GetLoad reads the scheduler's stats
         }
+        # JSON without free whitespace: vLLM cannot bound it per place as the built-in engine
+        # does (16 characters), and unbounded, a compiled SmolLM2 padded a json_object answer
+        # with whitespace until max_tokens. Compact JSON is the closest vLLM offers, with its
+        # xgrammar backend named (vLLM takes the flag only for a named backend).
+        from vllm.config import StructuredOutputsConfig
+
+        kw["structured_outputs_config"] = StructuredOutputsConfig(
+            backend="xgrammar", disable_any_whitespace=True
+        )
         if self.events_endpoint:
             kw["kv_events_config"] = kv_events_config(self.events_endpoint)
         if self.agent_address:
