@@ -111,11 +111,18 @@ class Backends:
     # ------------------------------------------------------------ discovery
 
     async def workers(self) -> list[WorkerRecord]:
-        """Live workers, from a listing at most ``catalog_ttl_s`` old."""
+        """Live workers, from a listing at most ``catalog_ttl_s`` old; while discovery does not
+        answer (its Redis restarting), the last listing it gave, as the replicas do."""
         now = time.monotonic()
         if self._listing is not None and now - self._listing[0] < self.settings.catalog_ttl_s:
             return self._listing[1]
-        found = [worker_from_instance(i) for i in await self.registry.list(WORKER_SERVICE)]
+        try:
+            found = [worker_from_instance(i) for i in await self.registry.list(WORKER_SERVICE)]
+        except Unavailable as exc:
+            if self._listing is None:
+                raise
+            log.warning("worker listing failed (%s); using the last one", exc)
+            return self._listing[1]
         self._listing = (now, found)
         return found
 
