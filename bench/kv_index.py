@@ -69,6 +69,18 @@ async def backend(kind: str, tmp: Path) -> AsyncIterator[tuple[Any, Callable[[],
                 await client.aclose()
 
 
+async def settled(memory: Callable[[], int]) -> int:
+    """Used memory once the previous case's FLUSHALL ASYNC has freed it (stops falling)."""
+    last = memory()
+    for _ in range(600):
+        await asyncio.sleep(0.5)
+        now = memory()
+        if now >= last * 0.99:
+            return now
+        last = now
+    return last
+
+
 async def one_case(
     client: Any, memory: Callable[[], int], size: int, owners: int, a: argparse.Namespace
 ) -> dict[str, float]:
@@ -76,7 +88,7 @@ async def one_case(
     await idx.start()
     ns = await idx.register_namespace(LAYOUT)
     per = max(1, size // owners)
-    before = memory()
+    before = await settled(memory)
     chains: list[list[bytes]] = []
     for i in range(owners):
         chain = block_hashes(ns, [i * 1_000_003 + t for t in range(16 * per)], 16)
