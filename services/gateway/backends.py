@@ -304,29 +304,27 @@ class Backends:
         end = loop.time() + timeout
         seen, submitted = 0, False
         backoff = Backoff(BACKOFF_S, MAX_BACKOFF_S, deadline=end)
+        pool = self.coordinators
         while True:
-            pool = self.coordinators
-            address = pool.order(await pool.addresses())[0]
-            stub = pool.stub(address)
-            if not submitted:
-                rpc = stub.RunWorkflow(req, timeout=timeout)
-            else:
-                rpc = stub.StreamRunEvents(
-                    coordinator_pb2.StreamRunEventsRequest(run_id=req.run_id, from_seq=seen + 1),
-                    timeout=max(end - loop.time(), 0.001),
-                )
             try:
-                async for ev in self._run_chunks(rpc):
-                    if isinstance(ev, int):
-                        seen, submitted = ev, True
-                        continue
-                    yield ev
-                    if ev.outputs is not None:
-                        return
-                error = "its event stream ended before the run finished"
-            except Unavailable as exc:
-                error = str(exc)
-                pool.mark_down(address)
+                address = pool.order(await pool.addresses())[0]
+            except Unavailable as exc:  # none registered now (its only one restarting): wait
+                address, error = "", str(exc)
+            else:
+                try:
+                    async for ev in self._run_chunks(
+                        self._run_rpc(pool.stub(address), req, seen, submitted, end)
+                    ):
+                        if isinstance(ev, int):
+                            seen, submitted = ev, True
+                            continue
+                        yield ev
+                        if ev.outputs is not None:
+                            return
+                    error = "its event stream ended before the run finished"
+                except Unavailable as exc:
+                    error = str(exc)
+                    pool.mark_down(address)
             delay = backoff.next()
             if delay is None:
                 raise Unavailable(f"run {req.run_id}: no coordinator reported its end ({error})")
@@ -336,6 +334,19 @@ class Backends:
                 await pool.call(lambda s: s.SubmitRun(req, timeout=timeout))
                 submitted = True
             await asyncio.sleep(delay)
+
+    @staticmethod
+    def _run_rpc(
+        stub: Any, req: coordinator_pb2.SubmitRunRequest, seen: int, submitted: bool, end: float
+    ) -> Any:
+        """The run's event stream on ``stub``: run it, or follow it from after ``seen``."""
+        left = max(end - asyncio.get_running_loop().time(), 0.001)
+        if not submitted:
+            return stub.RunWorkflow(req, timeout=left)
+        return stub.StreamRunEvents(
+            coordinator_pb2.StreamRunEventsRequest(run_id=req.run_id, from_seq=seen + 1),
+            timeout=left,
+        )
 
     async def _run_chunks(self, rpc: Any) -> AsyncIterator[RunChunk | int]:
         """A run's event stream as chunks, and the sequence number of every event."""
