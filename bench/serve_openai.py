@@ -56,6 +56,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -401,6 +402,9 @@ PARTS = ("load", "chat", "overhead", "cross")
 
 
 def main() -> int:
+    # SIGTERM (a `timeout`, a CI cancel) unwinds like Ctrl-C, so every server started is
+    # stopped by its PID on the way out (a bare SIGTERM left them all running).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--concurrency", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")]
