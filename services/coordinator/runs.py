@@ -321,6 +321,9 @@ class RunManager:
         except Exception as exc:
             live.cancel_reason = f"could not record the run in Redis: {exc}"
             live.task.cancel()
+            # Untracked now, not once its task ends: the caller's retry of the same id (Redis
+            # back) starts the run anew instead of following this cancelled one.
+            self._untrack(live)
             raise Unavailable(f"run {run_id} not started: Redis does not answer ({exc})") from exc
         return run_id
 
@@ -331,7 +334,8 @@ class RunManager:
         return who.tenant if who.enforced else ""
 
     def _untrack(self, live: LiveRun) -> None:
-        self.live.pop(live.key, None)
+        if self.live.get(live.key) is live:  # not a newer run of the same id
+            self.live.pop(live.key)
         if live.tenant:
             left = self.tenant_runs.get(live.tenant, 0) - 1
             if left > 0:
