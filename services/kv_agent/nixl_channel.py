@@ -215,31 +215,6 @@ class NixlChannel:
         """Load a remote agent's metadata (a grant's regions); returns its name."""
         return await self._call(self._ensure_remote, metadata)
 
-    def _read(
-        self,
-        remote: str,
-        local: Sequence[int],
-        remote_addrs: Sequence[int],
-        nbytes: int,
-        timeout_s: float,
-    ) -> None:
-        a = self._agent
-        ldescs = a.get_xfer_descs([(addr, nbytes, 0) for addr in local], "DRAM")
-        rdescs = a.get_xfer_descs([(addr, nbytes, 0) for addr in remote_addrs], "DRAM")
-        handle = a.initialize_xfer("READ", ldescs, rdescs, remote)
-        try:
-            state = a.transfer(handle)
-            end = time.monotonic() + timeout_s
-            while state == "PROC":
-                if time.monotonic() > end:
-                    raise DeadlineExceeded(f"nixl read from {remote} not done in {timeout_s}s")
-                time.sleep(0.0001)
-                state = a.check_xfer_state(handle)
-            if state != "DONE":
-                raise Unavailable(f"nixl read from {remote} failed ({state})")
-        finally:
-            a.release_xfer_handle(handle)
-
     async def read(
         self,
         remote: str,
@@ -249,8 +224,28 @@ class NixlChannel:
         timeout_s: float,
     ) -> None:
         """READ ``nbytes`` at each remote address into the local address at the same index."""
-        if local:
-            await self._call(self._read, remote, local, remote_addrs, nbytes, timeout_s)
+        if not local:
+            return
+        a = self._agent
+
+        def _read() -> None:  # on the NIXL thread
+            ldescs = a.get_xfer_descs([(addr, nbytes, 0) for addr in local], "DRAM")
+            rdescs = a.get_xfer_descs([(addr, nbytes, 0) for addr in remote_addrs], "DRAM")
+            handle = a.initialize_xfer("READ", ldescs, rdescs, remote)
+            try:
+                state = a.transfer(handle)
+                end = time.monotonic() + timeout_s
+                while state == "PROC":
+                    if time.monotonic() > end:
+                        raise DeadlineExceeded(f"nixl read from {remote} not done in {timeout_s}s")
+                    time.sleep(0.0001)
+                    state = a.check_xfer_state(handle)
+                if state != "DONE":
+                    raise Unavailable(f"nixl read from {remote} failed ({state})")
+            finally:
+                a.release_xfer_handle(handle)
+
+        await self._call(_read)
 
     def close(self) -> None:
         def _close() -> None:
