@@ -15,6 +15,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW_S = 60.0
+#: A tenant's limits, in the order ``admit`` checks them: (the limit's short name, what the
+#: tenant holds at it, its setting, when to retry).
+_LIMITS = (
+    ("tenant_in_flight", "has {} requests in flight", "OMNIFLOW_GATEWAY_TENANT_MAX_IN_FLIGHT",
+     "retry when one ends"),
+    ("tenant_tokens_per_minute", "used {} tokens in the last minute",
+     "OMNIFLOW_GATEWAY_TENANT_TOKENS_PER_MINUTE", "retry later"),
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,20 +60,14 @@ class TenantShare:
         if not tenant:
             return None
         t = self._window(tenant, time.monotonic())
-        if self.max_in_flight and t.in_flight >= self.max_in_flight:
-            return Refusal(
-                f"tenant {tenant!r} has {t.in_flight} requests in flight, its limit is "
-                f"{self.max_in_flight} (OMNIFLOW_GATEWAY_TENANT_MAX_IN_FLIGHT); retry when "
-                "one ends",
-                "tenant_in_flight",
-            )
-        if self.tokens_per_minute and t.total >= self.tokens_per_minute:
-            return Refusal(
-                f"tenant {tenant!r} used {t.total} tokens in the last minute, its limit is "
-                f"{self.tokens_per_minute} (OMNIFLOW_GATEWAY_TENANT_TOKENS_PER_MINUTE); "
-                "retry later",
-                "tenant_tokens_per_minute",
-            )
+        values = ((self.max_in_flight, t.in_flight), (self.tokens_per_minute, t.total))
+        for (name, held_as, setting, retry), (limit, held) in zip(_LIMITS, values, strict=True):
+            if limit and held >= limit:
+                return Refusal(
+                    f"tenant {tenant!r} {held_as.format(held)}, its limit is {limit} "
+                    f"({setting}); {retry}",
+                    name,
+                )
         t.in_flight += 1
         return None
 

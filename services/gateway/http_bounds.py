@@ -21,7 +21,6 @@ import asyncio
 import http
 import json
 from dataclasses import dataclass
-from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -53,12 +52,14 @@ class _Bounded(HttpToolsProtocol):
         self._in_head = True  # the bytes that arrive now belong to a request's head
         self._tail = b""  # the last bytes of the head so far (a split "\r\n\r\n")
         self._timer: asyncio.TimerHandle | None = None
-        self._arm(self.limits.header_timeout_s, self._header_late)
+        self._arm(body=False)
 
-    def _arm(self, delay: float, fn: Any) -> None:
+    def _arm(self, *, body: bool) -> None:
+        """Start the header deadline, or the body's (``body``), in place of the one running."""
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = self.loop.call_later(delay, fn)
+        delay = self.limits.body_timeout_s if body else self.limits.header_timeout_s
+        self._timer = self.loop.call_later(delay, self._late, body, delay)
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -92,11 +93,11 @@ class _Bounded(HttpToolsProtocol):
         super().on_message_begin()
         self._in_head = True
         if self._timer is None:  # a kept-alive connection's next request
-            self._arm(self.limits.header_timeout_s, self._header_late)
+            self._arm(body=False)
 
     def on_headers_complete(self) -> None:
         self._in_head, self._head_bytes, self._tail = False, 0, b""
-        self._arm(self.limits.body_timeout_s, self._body_late)
+        self._arm(body=True)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -104,23 +105,16 @@ class _Bounded(HttpToolsProtocol):
         self._in_head = True  # what comes next is the next request's head
         super().on_message_complete()
 
-    def _header_late(self) -> None:
+    def _late(self, body: bool, delay: float) -> None:
         self._timer = None
-        self._refuse(
-            408,
-            f"request headers not received within {self.limits.header_timeout_s:g} s "
-            "(OMNIFLOW_GATEWAY_HEADER_TIMEOUT_S)",
-            "request_timeout",
+        what = (
+            f"request body not received within {delay:g} s of its headers "
+            "(OMNIFLOW_GATEWAY_BODY_TIMEOUT_S)"
+            if body
+            else f"request headers not received within {delay:g} s "
+            "(OMNIFLOW_GATEWAY_HEADER_TIMEOUT_S)"
         )
-
-    def _body_late(self) -> None:
-        self._timer = None
-        self._refuse(
-            408,
-            f"request body not received within {self.limits.body_timeout_s:g} s of its "
-            "headers (OMNIFLOW_GATEWAY_BODY_TIMEOUT_S)",
-            "request_timeout",
-        )
+        self._refuse(408, what, "request_timeout")
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         if self.transport.is_closing():
