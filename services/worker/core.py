@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from omniflow.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from omniflow.models.resolve import resolve_model
@@ -21,6 +21,20 @@ if TYPE_CHECKING:
     from omniflow_services.worker.mm.loading import LoadedRoles
 
 log = logging.getLogger(__name__)
+
+
+_T = TypeVar("_T")
+
+
+def _required(serves: bool, role: str, wanted: str, loaded: _T | None) -> _T:
+    """What a call of the ``wanted`` role needs: this worker serves it and has it loaded."""
+    if not serves:
+        raise FailedPrecondition(f"this worker's role is {role!r}, not {wanted!r}")
+    if loaded is None:
+        raise FailedPrecondition(
+            "no model is loaded on this worker: set OMNIFLOW_WORKER_MODEL or call LoadModel"
+        )
+    return loaded
 
 
 class WorkerCore:
@@ -130,33 +144,17 @@ class WorkerCore:
         log.info("echo engine started (role %s)", self.role)
 
     def require_llm(self) -> LLMRole:
-        if self.role not in ("llm", "diffusion") and self.echo is None:
-            raise FailedPrecondition(f"this worker's role is {self.role!r}, not 'llm'")
-        if self.llm is None:
-            raise FailedPrecondition(
-                "no model is loaded on this worker: set OMNIFLOW_WORKER_MODEL or call LoadModel"
-            )
-        return self.llm
+        """The llm engine (an llm or diffusion role, or the echo engine in any role)."""
+        llm_like = self.role in ("llm", "diffusion") or self.echo is not None
+        return _required(llm_like, self.role, "llm", self.llm)
 
     def require_mm(self, role: str) -> LoadedRoles:
         """The loaded models of a multimodal role (FailedPrecondition when not this role)."""
-        if self.role != role:
-            raise FailedPrecondition(f"this worker's role is {self.role!r}, not {role!r}")
-        if self.mm is None:
-            raise FailedPrecondition(
-                "no model is loaded on this worker: set OMNIFLOW_WORKER_MODEL or call LoadModel"
-            )
-        return self.mm
+        return _required(self.role == role, self.role, role, self.mm)
 
     def require_embed(self) -> EmbedRole:
         """The embed role's model (FailedPrecondition when not this role or not loaded)."""
-        if self.role != "embed":
-            raise FailedPrecondition(f"this worker's role is {self.role!r}, not 'embed'")
-        if self.embed is None:
-            raise FailedPrecondition(
-                "no model is loaded on this worker: set OMNIFLOW_WORKER_MODEL or call LoadModel"
-            )
-        return self.embed
+        return _required(self.role == "embed", self.role, "embed", self.embed)
 
     def load_now(self) -> EngineLoad:
         return self.llm.engine.load() if self.llm is not None else EngineLoad()
