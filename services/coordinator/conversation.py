@@ -37,39 +37,45 @@ def has_conversation(inputs: dict[str, Any]) -> bool:
     return bool(inputs.get("messages")) or bool(inputs.get("media"))
 
 
-def _history(raw: Any) -> list[tuple[str, str]]:
+def _entries(
+    raw: Any, name: str, limit: int, keys: tuple[str, str], *, accepted: str, unit: str
+) -> list[tuple[Any, Any]]:
+    """Input ``name``'s entries (a list of at most ``limit``; one entry alone where no
+    ``accepted``) as their values at ``keys``, None where an entry is no dict or lacks one."""
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise InvalidArgument(
-            f"input 'messages' is {type(raw).__name__}; accepted: a list of {{role, content}}"
-        )
-    if len(raw) > MAX_MESSAGES:
-        raise InvalidArgument(f"input 'messages' has {len(raw)} entries; at most {MAX_MESSAGES}")
-    out = []
-    for i, m in enumerate(raw):
-        role = m.get("role") if isinstance(m, dict) else None
-        content = m.get("content") if isinstance(m, dict) else None
+        if accepted:
+            raise InvalidArgument(f"input {name!r} is {type(raw).__name__}; accepted: {accepted}")
+        raw = [raw]
+    if len(raw) > limit:
+        raise InvalidArgument(f"input {name!r} has {len(raw)} {unit}; at most {limit}")
+    return [(m.get(keys[0]), m.get(keys[1])) if isinstance(m, dict) else (None, None) for m in raw]
+
+
+def _history(raw: Any) -> list[tuple[str, str]]:
+    turns = _entries(
+        raw,
+        "messages",
+        MAX_MESSAGES,
+        ("role", "content"),
+        accepted="a list of {role, content}",
+        unit="entries",
+    )
+    for i, (role, content) in enumerate(turns):
         if role not in ROLES:
             raise InvalidArgument(f"messages[{i}].role is {role!r}; accepted: {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise InvalidArgument(
                 f"messages[{i}].content is {type(content).__name__}; accepted: a string"
             )
-        out.append((role, content))
-    return out
+    return turns
 
 
 def _encoded(raw: Any) -> list[worker_pb2.ContentPart]:
-    if raw is None:
-        return []
-    items = raw if isinstance(raw, list) else [raw]
-    if len(items) > MAX_MEDIA:
-        raise InvalidArgument(f"input 'media' has {len(items)} items; at most {MAX_MEDIA}")
+    items = _entries(raw, "media", MAX_MEDIA, ("item_id", "embeddings"), accepted="", unit="items")
     parts = []
-    for i, it in enumerate(items):
-        ref = it.get("embeddings") if isinstance(it, dict) else None
-        item_id = it.get("item_id") if isinstance(it, dict) else None
+    for i, (item_id, ref) in enumerate(items):
         if not isinstance(ref, common_pb2.TensorRef) or not isinstance(item_id, bytes):
             raise InvalidArgument(
                 f"media[{i}] is not an encoded item; accepted: the items of an encoder.encode "

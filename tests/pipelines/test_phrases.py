@@ -139,6 +139,8 @@ def test_conversation_puts_history_then_the_question_and_media_first() -> None:
     assert [p.text for p in msgs.messages[3].content] == ["And now?"]
     last = conversation("Q", {"media": [_ref()], "messages": history}, {"media_turn": "last"})
     assert last.messages[2].content[0].WhichOneof("part") == "encoded"
+    one = conversation("Q", {"media": _ref()}, {})  # one item alone, not in a list
+    assert [p.WhichOneof("part") for p in one.messages[0].content] == ["encoded", "text"]
     assert msgs.add_generation_prompt
 
 
@@ -149,6 +151,9 @@ def test_conversation_puts_history_then_the_question_and_media_first() -> None:
         ({"messages": [{"role": "bot", "content": "x"}]}, {}, r"messages\[0\].role is 'bot'"),
         ({"messages": [{"role": "user", "content": 3}]}, {}, r"messages\[0\].content is int"),
         ({"media": [b"raw"]}, {}, r"media\[0\] is not an encoded item"),
+        ({"messages": ["hi"]}, {}, r"messages\[0\].role is None"),
+        ({"messages": [{}] * 257}, {}, "input 'messages' has 257 entries; at most 256"),
+        ({"media": [_ref()] * 17}, {}, "input 'media' has 17 items; at most 16"),
         ({}, {"media_turn": "middle"}, "param 'media_turn' is 'middle'; accepted: first, last"),
     ],
 )
