@@ -18,38 +18,25 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from omniflow.errors import InvalidArgument
-from omniflow.security.identity import parse_expiry, token_digest
+from omniflow.security.identity import DigestTable, Expiring, parse_expiry, token_digest
 from omniflow.security.reload import Reloading
 
 MIN_KEY_CHARS = 16
 
 
 @dataclass(frozen=True, slots=True)
-class KeyGrant:
+class KeyGrant(Expiring):
     tenant: str
     admin: bool = False
     expires_at: float = 0.0  # Unix seconds; 0: never
 
 
-class ApiKeyTable:
+class ApiKeyTable(DigestTable[KeyGrant]):
     """API key → (tenant, admin)."""
-
-    def __init__(self, grants: dict[str, KeyGrant]) -> None:
-        self._by_digest = grants
-
-    def __len__(self) -> int:
-        return len(self._by_digest)
-
-    def lookup(self, key: str) -> KeyGrant | None:
-        grant = self._by_digest.get(token_digest(key))
-        if grant is None or (grant.expires_at and time.time() >= grant.expires_at):
-            return None
-        return grant
 
     @classmethod
     def watch(cls, path: Path) -> Reloading[ApiKeyTable]:

@@ -17,6 +17,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from omniflow.errors import InvalidArgument
 
@@ -118,14 +119,21 @@ class Principal:
 UNCHECKED = Principal(None, "", frozenset(), enforced=False)
 
 
-@dataclass(frozen=True, slots=True)
-class TokenGrant:
-    tenant: str
-    roles: frozenset[str]
-    expires_at: float = 0.0  # Unix seconds; 0: never
+class Expiring:
+    """A grant with ``expires_at`` (Unix seconds; 0: never)."""
+
+    __slots__ = ()
+    expires_at: float
 
     def expired(self, now: float | None = None) -> bool:
         return bool(self.expires_at) and (time.time() if now is None else now) >= self.expires_at
+
+
+@dataclass(frozen=True, slots=True)
+class TokenGrant(Expiring):
+    tenant: str
+    roles: frozenset[str]
+    expires_at: float = 0.0  # Unix seconds; 0: never
 
 
 def token_digest(token: str) -> str:
@@ -153,7 +161,25 @@ def parse_expiry(value: object, where: str) -> float:
     )
 
 
-class TokenTable:
+G = TypeVar("G", bound=Expiring)
+
+
+class DigestTable(Generic[G]):
+    """Secrets (tokens, API keys) by their digest, each to its grant; an expired grant, or a
+    secret not in the table, looks up as None."""
+
+    def __init__(self, grants: dict[str, G]) -> None:
+        self._by_digest = grants
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def lookup(self, secret: str) -> G | None:
+        grant = self._by_digest.get(token_digest(secret))
+        return None if grant is None or grant.expired() else grant
+
+
+class TokenTable(DigestTable[TokenGrant]):
     """token → (tenant, roles, expiry), from a JSON file::
 
     {"tokens": [{"token": "…", "tenant": "acme", "roles": ["user"],
@@ -161,16 +187,6 @@ class TokenTable:
 
     ``expires_at`` is optional (Unix seconds or ISO 8601); an expired token is not valid.
     """
-
-    def __init__(self, grants: dict[str, TokenGrant]) -> None:
-        self._by_digest = grants
-
-    def __len__(self) -> int:
-        return len(self._by_digest)
-
-    def lookup(self, token: str) -> TokenGrant | None:
-        grant = self._by_digest.get(token_digest(token))
-        return None if grant is None or grant.expired() else grant
 
     @classmethod
     def load(cls, path: Path) -> TokenTable:
