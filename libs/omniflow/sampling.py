@@ -331,22 +331,10 @@ class SamplingParams:
         are unsigned 32- and 64-bit)."""
         sp = common_pb2.SamplingParams(
             max_tokens=self.max_tokens or 0,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
             stop_token_ids=list(self.stop_token_ids),
             stop=list(self.stop),
-            ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logprobs=self.logprobs,
-            top_logprobs=self.top_logprobs,
-            min_tokens=self.min_tokens,
             logit_bias=dict(self.logit_bias),
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            **{name: getattr(self, name) for name in _WIRE_AS_IS},
         )
         if self.seed is not None:
             sp.seed = self.seed
@@ -399,6 +387,8 @@ _FLOAT_FIELDS = (
     "frequency_penalty",
 )
 _BOOL_FIELDS = ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens")
+#: The fields the proto carries as they are (same name, same value).
+_WIRE_AS_IS = (*_FLOAT_FIELDS, *_BOOL_FIELDS, "top_k", "top_logprobs", "min_tokens")
 
 
 def _f32(x: float) -> float:
