@@ -12,6 +12,7 @@ import base64
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -69,6 +70,18 @@ from omniflow_services.gateway.types import GenChunk
 from omniflow_services.gateway.workflow_api import WorkflowAPI
 
 MAX_IMAGE_SIDE = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class _Chat:
+    """One chat request as its answer, whole or streamed, needs it."""
+
+    prep: Prepared
+    req: ChatCompletionRequest
+    rid: str
+    created: int
+    arrived: float
+    plan: ToolPlan | None
 
 
 class Tally:
@@ -201,27 +214,20 @@ class OpenAIRoutes:
         sampling = _sampling(req, self.settings.max_n, constraint and constraint.structured)
         template = template_options(req, plan)
         prep = await param_model(self.core.prepare_chat(req.model, messages, sampling, template))
-        created = int(time.time())
+        chat = _Chat(prep, req, rid, int(time.time()), arrived, plan)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._chat_events(prep, req, rid, created, arrived, include_usage, plan)
+            events = self._chat_events(chat, include_usage)
             return await self._stream(events, [prep], req.n, constraint, skip=req.n)
-        work = self._chat_whole(prep, req, rid, created, arrived, plan)
+        work = self._chat_whole(chat)
         result = await naming(constraint, whole(request, work))
         if result is None:
             return Response(status_code=499)
         return JSONResponse(result.model_dump())
 
-    async def _chat_whole(
-        self,
-        prep: Prepared,
-        req: ChatCompletionRequest,
-        rid: str,
-        created: int,
-        arrived: float,
-        plan: ToolPlan | None = None,
-    ) -> ChatCompletion:
-        tally = Tally("chat", arrived)
+    async def _chat_whole(self, chat: _Chat) -> ChatCompletion:
+        prep, req, plan = chat.prep, chat.req, chat.plan
+        tally = Tally("chat", chat.arrived)
         texts: dict[int, list[str]] = {i: [] for i in range(req.n)}
         lps: dict[int, list[TokenLogprob]] = {i: [] for i in range(req.n)}
         async with aclosing(self.core.merged([prep], req.n, whole=True)) as stream:
@@ -247,26 +253,18 @@ class OpenAIRoutes:
                 )
             )
         return ChatCompletion(
-            id=rid, created=created, model=req.model, choices=choices, usage=usage
+            id=chat.rid, created=chat.created, model=req.model, choices=choices, usage=usage
         )
 
-    async def _chat_events(
-        self,
-        prep: Prepared,
-        req: ChatCompletionRequest,
-        rid: str,
-        created: int,
-        arrived: float,
-        include_usage: bool,
-        plan: ToolPlan | None = None,
-    ) -> AsyncIterator[bytes]:
-        tally = Tally("chat", arrived)
+    async def _chat_events(self, chat: _Chat, include_usage: bool) -> AsyncIterator[bytes]:
+        prep, req, plan = chat.prep, chat.req, chat.plan
+        tally = Tally("chat", chat.arrived)
         calls = {i: StreamedCalls(plan) for i in range(req.n)} if plan is not None else None
 
         def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
             return sse(
                 ChatCompletionChunk(
-                    id=rid, created=created, model=req.model, choices=choices, usage=usage
+                    id=chat.rid, created=chat.created, model=req.model, choices=choices, usage=usage
                 )
             )
 
