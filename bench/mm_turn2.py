@@ -26,7 +26,7 @@ import torch
 from omniflow.chat import ChatTemplate
 from omniflow.kv.blocks import item_id
 from omniflow.models import make_tiny
-from omniflow.models.tiny_mm import make_vision_encoder
+from omniflow.models.tiny_mm import EncoderSize, make_vision_encoder
 from omniflow_services.worker.engine import Engine, EngineConfig, SamplingParams
 from omniflow_services.worker.mm.encoders import EncoderCache, EncoderRole, VisionEncoder
 from omniflow_services.worker.mm.media import MediaInput
@@ -91,9 +91,9 @@ async def main_async(args: argparse.Namespace) -> None:
         root = Path(tmp)
         llm = make_tiny("qwen2", root / "llm", layers=args.layers, hidden=args.hidden, heads=6,
                         kv_heads=2, vocab=512)  # fmt: skip
-        vis = make_vision_encoder(root / "vis", out_hidden=args.hidden, hidden=args.enc_hidden,
-                                  layers=args.enc_layers, heads=6, image_size=args.image_size,
-                                  patch_size=14)  # fmt: skip
+        size = EncoderSize(out_hidden=args.hidden, hidden=args.enc_hidden, layers=args.enc_layers,
+                           heads=6)  # fmt: skip
+        vis = make_vision_encoder(root / "vis", size, image_size=args.image_size, patch_size=14)
         cfg = EngineConfig(num_pages=512, max_num_batched_tokens=1024)
         TEMPLATE.append(ChatTemplate.from_folder(llm))
         cached = Engine(llm, cfg)

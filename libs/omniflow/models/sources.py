@@ -99,16 +99,16 @@ def build_smollm2_diffusion(dest: Path, progress: Progress) -> None:
 
 def build_smollm2_vision_encoder(dest: Path, progress: Progress) -> None:
     """A generated (random) vision encoder projecting into SmolLM2's hidden size."""
-    from omniflow.models.tiny_mm import make_vision_encoder
+    from omniflow.models.tiny_mm import EncoderSize, make_vision_encoder
 
-    make_vision_encoder(dest, out_hidden=_smollm2_hidden(dest, progress))
+    make_vision_encoder(dest, EncoderSize(out_hidden=_smollm2_hidden(dest, progress)))
 
 
 def build_smollm2_audio_encoder(dest: Path, progress: Progress) -> None:
     """A generated (random) audio encoder projecting into SmolLM2's hidden size."""
-    from omniflow.models.tiny_mm import make_audio_encoder
+    from omniflow.models.tiny_mm import EncoderSize, make_audio_encoder
 
-    make_audio_encoder(dest, out_hidden=_smollm2_hidden(dest, progress))
+    make_audio_encoder(dest, EncoderSize(out_hidden=_smollm2_hidden(dest, progress)))
 
 
 def build_whisper_tiny_en(dest: Path, progress: Progress) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,21 +64,40 @@ def _conv(w: dict[str, Any], name: str, shape: tuple[int, ...], fan_in: int, gen
     w[name + ".bias"] = 0.02 * torch.randn(shape[0], generator=gen)
 
 
-def _encoder_layers(w: dict[str, Any], layers: int, hidden: int, inter: int, gen: Any) -> None:
-    for i in range(layers):
-        p = f"layers.{i}."
-        _norm(w, p + "norm1", hidden, gen)
-        _lin(w, p + "attn.qkv", 3 * hidden, hidden, gen)
-        _lin(w, p + "attn.proj", hidden, hidden, gen)
-        _norm(w, p + "norm2", hidden, gen)
-        _lin(w, p + "mlp.fc1", inter, hidden, gen)
-        _lin(w, p + "mlp.fc2", hidden, inter, gen)
-    _norm(w, "post_norm", hidden, gen)
+@dataclass(frozen=True, slots=True)
+class EncoderSize:
+    """The transformer trunk the vision and audio encoders share, and its projector."""
 
+    out_hidden: int = 64  # the LLM's hidden size: what the projector writes
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
 
-def _projector(w: dict[str, Any], hidden: int, out_hidden: int, gen: Any) -> None:
-    _lin(w, "projector.fc1", out_hidden, hidden, gen)
-    _lin(w, "projector.fc2", out_hidden, out_hidden, gen)
+    def add_trunk(self, w: dict[str, Any], gen: Any) -> None:
+        """The trunk's layers, its final norm and the projector into ``out_hidden``."""
+        h, inter = self.hidden, 2 * self.hidden
+        for i in range(self.layers):
+            p = f"layers.{i}."
+            _norm(w, p + "norm1", h, gen)
+            _lin(w, p + "attn.qkv", 3 * h, h, gen)
+            _lin(w, p + "attn.proj", h, h, gen)
+            _norm(w, p + "norm2", h, gen)
+            _lin(w, p + "mlp.fc1", inter, h, gen)
+            _lin(w, p + "mlp.fc2", h, inter, gen)
+        _norm(w, "post_norm", h, gen)
+        _lin(w, "projector.fc1", self.out_hidden, h, gen)
+        _lin(w, "projector.fc2", self.out_hidden, self.out_hidden, gen)
+
+    def config(self) -> dict[str, Any]:
+        """The trunk's keys of the encoder's ``config.json``."""
+        return {
+            "hidden_size": self.hidden,
+            "num_layers": self.layers,
+            "num_heads": self.heads,
+            "intermediate_size": 2 * self.hidden,
+            "out_hidden_size": self.out_hidden,
+            "layer_norm_eps": 1e-6,
+        }
 
 
 def _save(folder: Path, config: dict[str, Any], weights: dict[str, Any]) -> Path:
@@ -93,37 +113,28 @@ def _save(folder: Path, config: dict[str, Any], weights: dict[str, Any]) -> Path
 
 def make_vision_encoder(
     out_dir: str | Path,
+    size: EncoderSize = EncoderSize(),
     *,
-    out_hidden: int = 64,
-    hidden: int = 64,
-    layers: int = 2,
-    heads: int = 4,
     image_size: int = 32,
     patch_size: int = 8,
     seed: int = 0,
 ) -> Path:
     """A ViT-style encoder: ``(image_size / patch_size)**2`` tokens per image."""
-    if image_size % patch_size or hidden % heads:
+    if image_size % patch_size or size.hidden % size.heads:
         raise InvalidArgument("image_size must divide by patch_size and hidden by heads")
     import torch
 
     gen = _gen(seed)
     n = (image_size // patch_size) ** 2
     w: dict[str, Any] = {}
-    _lin(w, "patch_embed", hidden, 3 * patch_size * patch_size, gen)
-    w["pos_embed"] = 0.02 * torch.randn(n, hidden, generator=gen)
-    _encoder_layers(w, layers, hidden, 2 * hidden, gen)
-    _projector(w, hidden, out_hidden, gen)
+    _lin(w, "patch_embed", size.hidden, 3 * patch_size * patch_size, gen)
+    w["pos_embed"] = 0.02 * torch.randn(n, size.hidden, generator=gen)
+    size.add_trunk(w, gen)
     config = {
         "model_type": VISION_MODEL_TYPE,
         "image_size": image_size,
         "patch_size": patch_size,
-        "hidden_size": hidden,
-        "num_layers": layers,
-        "num_heads": heads,
-        "intermediate_size": 2 * hidden,
-        "out_hidden_size": out_hidden,
-        "layer_norm_eps": 1e-6,
+        **size.config(),
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
         "max_image_pixels": 4096 * 4096,
@@ -134,33 +145,24 @@ def make_vision_encoder(
 
 def make_audio_encoder(
     out_dir: str | Path,
+    size: EncoderSize = EncoderSize(),
     *,
-    out_hidden: int = 64,
-    hidden: int = 64,
-    layers: int = 2,
-    heads: int = 4,
     mel_bins: int = 32,
     seed: int = 1,
 ) -> Path:
     """A Whisper-style encoder over log-mel frames: one token per 4 frames (40 ms)."""
     gen = _gen(seed)
     w: dict[str, Any] = {}
-    _conv(w, "conv1", (hidden, mel_bins, 3), mel_bins * 3, gen)
-    _conv(w, "conv2", (hidden, hidden, 3), hidden * 3, gen)
-    _encoder_layers(w, layers, hidden, 2 * hidden, gen)
-    _projector(w, hidden, out_hidden, gen)
+    _conv(w, "conv1", (size.hidden, mel_bins, 3), mel_bins * 3, gen)
+    _conv(w, "conv2", (size.hidden, size.hidden, 3), size.hidden * 3, gen)
+    size.add_trunk(w, gen)
     config = {
         "model_type": AUDIO_MODEL_TYPE,
         "sample_rate": 16000,
         "n_fft": 400,
         "hop_length": 160,
         "num_mel_bins": mel_bins,
-        "hidden_size": hidden,
-        "num_layers": layers,
-        "num_heads": heads,
-        "intermediate_size": 2 * hidden,
-        "out_hidden_size": out_hidden,
-        "layer_norm_eps": 1e-6,
+        **size.config(),
         "max_seconds": 30.0,
     }
     return _save(Path(out_dir), config, w)
