@@ -362,9 +362,10 @@ class WorkerTable:
             )
         cands = self.candidates(role, exclude, operation)
         self.count(f"pick_{strategy}")
-        result = self._choose(
-            role, strategy, cands, session_key, reach, prompt_blocks, temperature, load_weight, page
-        )
+        if strategy == "kv_aware":
+            result = self._kv_aware(cands, reach, prompt_blocks, temperature, load_weight, page)
+        else:
+            result = self._choose(role, strategy, cands, session_key)
         if fallback_reason:
             result = PickResult(
                 result.worker,
@@ -379,18 +380,8 @@ class WorkerTable:
         live.breaker.on_pick()
         return result
 
-    def _choose(
-        self,
-        role: str,
-        strategy: str,
-        cands: list[_Live],
-        session_key: str,
-        reach: list[OwnerMatch] | None,
-        prompt_blocks: int,
-        temperature: float,
-        load_weight: float,
-        page: tuple[int, int] = (0, 0),
-    ) -> PickResult:
+    def _choose(self, role: str, strategy: str, cands: list[_Live], session_key: str) -> PickResult:
+        """One of ``cands`` by a strategy that weighs no KV (``kv_aware`` is ``_kv_aware``)."""
         if strategy == "random":
             return PickResult(self._rng.choice(cands).record, strategy)
         if strategy == "least_outstanding":
@@ -407,8 +398,6 @@ class WorkerTable:
             return PickResult(self._ring_pick(role, cands, session_key).record, strategy)
         if strategy == "weighted":
             return PickResult(self._weighted(cands).record, strategy)
-        if strategy == "kv_aware":
-            return self._kv_aware(cands, reach, prompt_blocks, temperature, load_weight, page)
         return PickResult(self._round_robin(role, cands).record, "round_robin")
 
     def _round_robin(self, role: str, cands: list[_Live]) -> _Live:
