@@ -11,7 +11,6 @@ even while no index is reachable.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -46,6 +45,7 @@ from omniflow.kv.wire import (
 )
 from omniflow.rpc.context import failed_call
 from omniflow.rpc.server import Runtime, ServiceApp
+from omniflow.tasks import stop_task
 from omniflow_services.kv_agent import grants, metrics
 from omniflow_services.kv_agent.config import KVAgentSettings
 from omniflow_services.kv_agent.nixl_channel import (
@@ -521,10 +521,7 @@ class KVAgentApp(ServiceApp):
 
     async def stop(self) -> None:
         self._unwatch()
-        if self._upkeep is not None:
-            self._upkeep.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._upkeep
+        await stop_task(self._upkeep)
         if self._link is not None:
             await self._link.stop()
         if self._puller is not None:

@@ -14,7 +14,6 @@ keeps looking for one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from omniflow.kv.blocks import KVLayout
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind, Tier
 from omniflow.kv.index_link import IndexLink
 from omniflow.rpc.server import Runtime
+from omniflow.tasks import stop_task
 from omniflow_services.worker.llm.connector import AgentConnector
 
 log = logging.getLogger(__name__)
@@ -129,10 +129,7 @@ class WorkerKV:
         )
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
         if self.link is not None:
             await self.link.stop()
         if self.connector is not None:

@@ -29,6 +29,7 @@ from omniflow.kv.events import BlockEntry, BlockEvent, EventKind
 from omniflow.kv.wire import layout_from_proto, namespace_fields, tier_to_proto
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
+from omniflow.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +134,7 @@ class IndexLink:
 
     async def stop(self) -> None:
         """Stop publishing and give the lease up (the index drops our entries at once)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
         if self._stub is not None and self.epoch:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._stub.ReleaseLease(

@@ -13,6 +13,7 @@ from omniflow.kv.events import BlockEvent, EventKind, Tier
 from omniflow.kv.index_store import KVIndex, OwnerInfo, OwnerKind
 from omniflow.localredis import redis_client
 from omniflow.rpc.server import Runtime
+from omniflow.tasks import stop_task
 from omniflow_services.worker.echo.engine import ECHO_LAYOUT
 
 log = logging.getLogger(__name__)
@@ -82,10 +83,7 @@ class EchoIndex:
                     log.warning("publishing %d block events failed: %s", len(batch), exc)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
         if self._lease is not None:
             with contextlib.suppress(Exception):
                 await self._index.deregister_owner(self.runtime.instance_id)
