@@ -24,6 +24,17 @@ from omniflow_services.worker.mm.nn import Weights, read_config
 
 BERT_MODEL_TYPE = "bert"
 POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")
+# A BertLayer's linears (and LayerNorms), by the names the forward pass uses.
+_BERT_LAYER = {
+    "q": "attention.self.query",
+    "k": "attention.self.key",
+    "v": "attention.self.value",
+    "o": "attention.output.dense",
+    "ln1": "attention.output.LayerNorm",
+    "up": "intermediate.dense",
+    "down": "output.dense",
+    "ln2": "output.LayerNorm",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,21 +110,7 @@ class BertEncoder:
         self.pos = w.take(f"{p}embeddings.position_embeddings.weight")
         self.type0 = w.take(f"{p}embeddings.token_type_embeddings.weight")[0]
         self.emb_ln = w.linear(f"{p}embeddings.LayerNorm")
-        self.layers = []
-        for i in range(int(c["num_hidden_layers"])):
-            q = f"{p}encoder.layer.{i}."
-            self.layers.append(
-                {
-                    "q": w.linear(q + "attention.self.query"),
-                    "k": w.linear(q + "attention.self.key"),
-                    "v": w.linear(q + "attention.self.value"),
-                    "o": w.linear(q + "attention.output.dense"),
-                    "ln1": w.linear(q + "attention.output.LayerNorm"),
-                    "up": w.linear(q + "intermediate.dense"),
-                    "down": w.linear(q + "output.dense"),
-                    "ln2": w.linear(q + "output.LayerNorm"),
-                }
-            )
+        self.layers = w.layers(f"{p}encoder.layer.", int(c["num_hidden_layers"]), _BERT_LAYER)
         self.max_len = max_seq_length(folder, self.pos.shape[0])
         self.pooling = read_pooling(folder)
         self.dim = self.hidden * len(self.pooling.modes)

@@ -17,6 +17,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,28 +33,41 @@ from omniflow_services.worker.mm.media import (
     decode_wav,
     log_mel,
 )
-from omniflow_services.worker.mm.nn import EncoderStack, open_model, sinusoid
+from omniflow_services.worker.mm.nn import EncoderStack, Projector, Weights, open_model, sinusoid
 from omniflow_services.worker.mm.whisper import WHISPER_MODEL_TYPE, Transcript, WhisperEncoder
 from omniflow_services.worker.mm.whisper_decode import TranscribeOptions
 
 log = logging.getLogger(__name__)
 
 
-class VisionEncoder:
+class _Tower:
+    """What the vision and audio towers share (``tiny_mm``'s format): transformer layers
+    and ``post_norm`` (an ``EncoderStack``), then ``projector.*`` into the LLM's hidden size."""
+
+    def _open(self, folder: Path, model_type: str, device: str) -> tuple[dict[str, Any], Weights]:
+        c, w = open_model(folder, model_type, device)
+        self.cfg = c
+        self.out_hidden = int(c["out_hidden_size"])
+        self.stack = EncoderStack(w, int(c["num_layers"]), int(c["num_heads"]), c["layer_norm_eps"])
+        self.proj = Projector(w, "projector.")
+        return c, w
+
+    def _tower(self, h: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [T, hidden] → [T, out_hidden]."""
+        return self.proj(self.stack(h))
+
+
+class VisionEncoder(_Tower):
     """ViT-style image encoder; ``tokens_per_image`` tokens of ``out_hidden`` each."""
 
     kind = IMAGE
 
     def __init__(self, folder: Path, device: str = "cpu") -> None:
-        c, w = open_model(folder, VISION_MODEL_TYPE, device)
-        self.cfg = c
+        c, w = self._open(folder, VISION_MODEL_TYPE, device)
         self.size, self.patch = int(c["image_size"]), int(c["patch_size"])
         self.tokens_per_image = (self.size // self.patch) ** 2
-        self.out_hidden = int(c["out_hidden_size"])
         self.patch_embed = w.linear("patch_embed")
         self.pos_embed = w.take("pos_embed")
-        self.stack = EncoderStack(w, int(c["num_layers"]), int(c["num_heads"]), c["layer_norm_eps"])
-        self.proj = (w.linear("projector.fc1"), w.linear("projector.fc2"))
 
     def preprocess(self, item: MediaInput) -> torch.Tensor:
         c = self.cfg
@@ -67,27 +81,20 @@ class VisionEncoder:
         p = self.patch
         pixels = pixels.to(self.pos_embed.device)
         patches = F.unfold(pixels[None], kernel_size=p, stride=p)[0].transpose(0, 1)
-        h = F.linear(patches, *self.patch_embed) + self.pos_embed
-        h = self.stack(h)
-        fc1, fc2 = self.proj
-        return F.linear(F.gelu(F.linear(h, *fc1)), *fc2)
+        return self._tower(F.linear(patches, *self.patch_embed) + self.pos_embed)
 
 
-class AudioEncoder:
+class AudioEncoder(_Tower):
     """Whisper-style audio encoder: one token per 4 log-mel frames (40 ms at 16 kHz)."""
 
     kind = AUDIO
 
     def __init__(self, folder: Path, device: str = "cpu") -> None:
-        c, w = open_model(folder, AUDIO_MODEL_TYPE, device)
-        self.cfg = c
+        c, w = self._open(folder, AUDIO_MODEL_TYPE, device)
         self.sample_rate = int(c["sample_rate"])
-        self.out_hidden = int(c["out_hidden_size"])
         self.hidden = int(c["hidden_size"])
         self.conv1 = w.linear("conv1")
         self.conv2 = w.linear("conv2")
-        self.stack = EncoderStack(w, int(c["num_layers"]), int(c["num_heads"]), c["layer_norm_eps"])
-        self.proj = (w.linear("projector.fc1"), w.linear("projector.fc2"))
 
     def preprocess(self, item: MediaInput) -> torch.Tensor:
         c = self.cfg
@@ -100,10 +107,7 @@ class AudioEncoder:
         x = F.gelu(F.conv1d(mel[None].to(self.conv1[0].device), *self.conv1, padding=1))
         x = F.gelu(F.conv1d(x, *self.conv2, stride=2, padding=1))
         x = F.avg_pool1d(x, 2, 2, ceil_mode=True)[0].transpose(0, 1)
-        h = x + sinusoid(torch.arange(x.shape[0], device=x.device), self.hidden)
-        h = self.stack(h)
-        fc1, fc2 = self.proj
-        return F.linear(F.gelu(F.linear(h, *fc1)), *fc2)
+        return self._tower(x + sinusoid(torch.arange(x.shape[0], device=x.device), self.hidden))
 
 
 Encoder = VisionEncoder | AudioEncoder | WhisperEncoder

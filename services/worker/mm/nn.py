@@ -7,6 +7,7 @@ names what is missing, so a checkpoint that does not fit fails at load with a cl
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.errors import InvalidArgument
+
+Linear = tuple[torch.Tensor, torch.Tensor | None]  # a weight and its bias, if any
 
 
 def read_config(folder: Path, model_type: str) -> dict[str, Any]:
@@ -46,8 +49,16 @@ class Weights:
         except KeyError:
             raise InvalidArgument(f"weight {name!r} missing from {self.folder}") from None
 
-    def linear(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def linear(self, name: str) -> Linear:
         return self.take(name + ".weight"), self._t.get(name + ".bias")
+
+    def group(self, prefix: str, names: Mapping[str, str]) -> dict[str, Linear]:
+        """The linears ``prefix + name`` for each ``key: name`` of ``names``, by key."""
+        return {key: self.linear(prefix + name) for key, name in names.items()}
+
+    def layers(self, prefix: str, count: int, names: Mapping[str, str]) -> list[dict[str, Linear]]:
+        """``group(f"{prefix}{i}.", names)`` of each layer ``i`` below ``count``."""
+        return [self.group(f"{prefix}{i}.", names) for i in range(count)]
 
 
 def open_model(folder: Path, model_type: str, device: str) -> tuple[dict[str, Any], Weights]:
@@ -55,23 +66,21 @@ def open_model(folder: Path, model_type: str, device: str) -> tuple[dict[str, An
     return read_config(folder, model_type), Weights(folder, device)
 
 
+_STACK_LAYER = {
+    "n1": "norm1",
+    "qkv": "attn.qkv",
+    "proj": "attn.proj",
+    "n2": "norm2",
+    "fc1": "mlp.fc1",
+    "fc2": "mlp.fc2",
+}
+
+
 class EncoderStack:
     """Pre-norm bidirectional transformer layers (``layers.{i}.*``) and ``post_norm``."""
 
     def __init__(self, w: Weights, num_layers: int, num_heads: int, eps: float) -> None:
-        self.layers = []
-        for i in range(num_layers):
-            p = f"layers.{i}."
-            self.layers.append(
-                {
-                    "n1": w.linear(p + "norm1"),
-                    "qkv": w.linear(p + "attn.qkv"),
-                    "proj": w.linear(p + "attn.proj"),
-                    "n2": w.linear(p + "norm2"),
-                    "fc1": w.linear(p + "mlp.fc1"),
-                    "fc2": w.linear(p + "mlp.fc2"),
-                }
-            )
+        self.layers = w.layers("layers.", num_layers, _STACK_LAYER)
         self.post_norm = w.linear("post_norm")
         self.heads = num_heads
         self.eps = eps
@@ -87,6 +96,16 @@ class EncoderStack:
             x = F.layer_norm(h, (d,), *ly["n2"], self.eps)
             h = h + F.linear(F.gelu(F.linear(x, *ly["fc1"])), *ly["fc2"])
         return F.layer_norm(h, (d,), *self.post_norm, self.eps)
+
+
+class Projector:
+    """States → the LLM's hidden size: ``fc1``, GELU, ``fc2`` (weights under ``prefix``)."""
+
+    def __init__(self, w: Weights, prefix: str = "") -> None:
+        self.fc1, self.fc2 = w.linear(prefix + "fc1"), w.linear(prefix + "fc2")
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.gelu(F.linear(h, *self.fc1)), *self.fc2)
 
 
 def sinusoid(positions: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:

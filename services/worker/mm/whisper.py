@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from omniflow.errors import FailedPrecondition, InvalidArgument
 from omniflow_services.worker.mm.audio_io import decode_audio
 from omniflow_services.worker.mm.media import AUDIO, MediaInput
-from omniflow_services.worker.mm.nn import Weights, open_model, read_config
+from omniflow_services.worker.mm.nn import Linear, Projector, Weights, open_model, read_config
 from omniflow_services.worker.mm.whisper_decode import (
     Rules,
     Segment,
@@ -54,8 +54,6 @@ PROJECTOR_MODEL_TYPE = "omniflow_audio_projector"
 MAX_SECONDS = 120.0  # four 30 s windows: a spoken turn, not a podcast
 MAX_BYTES = 32 * 1024 * 1024
 EPS = 1e-5
-
-Linear = tuple[torch.Tensor, torch.Tensor | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +83,31 @@ class WhisperInput:
     num_samples: int
 
 
-def _attn_weights(w: Weights, p: str, with_q: bool = True) -> dict[str, Linear]:
-    names = ("q", "k", "v", "out") if with_q else ("k", "v")
-    return {n: w.linear(f"{p}.{n}_proj") for n in names}
+_ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "out": "out_proj"}
+_ENCODER_LAYER = {
+    "ln1": "self_attn_layer_norm",
+    "ln2": "final_layer_norm",
+    "fc1": "fc1",
+    "fc2": "fc2",
+}
+_DECODER_LAYER = {
+    "ln1": "self_attn_layer_norm",
+    "ln2": "encoder_attn_layer_norm",
+    "ln3": "final_layer_norm",
+    "fc1": "fc1",
+    "fc2": "fc2",
+}
+
+
+def _layers(
+    w: Weights, prefix: str, count: int, names: dict[str, str], attn: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Each layer's linears of ``names`` and, per ``key: module`` of ``attn``, the q/k/v/out
+    projections of that attention module under ``key``."""
+    return [
+        {**ly, **{key: w.group(f"{prefix}{i}.{module}.", _ATTN) for key, module in attn.items()}}
+        for i, ly in enumerate(w.layers(prefix, count, names))
+    ]
 
 
 def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -116,31 +136,19 @@ class WhisperModel:
         e, d = "model.encoder", "model.decoder"
         self.conv1, self.conv2 = w.linear(f"{e}.conv1"), w.linear(f"{e}.conv2")
         self.enc_pos = w.take(f"{e}.embed_positions.weight")
-        self.enc_layers = [
-            {
-                "attn": _attn_weights(w, f"{e}.layers.{i}.self_attn"),
-                "ln1": w.linear(f"{e}.layers.{i}.self_attn_layer_norm"),
-                "ln2": w.linear(f"{e}.layers.{i}.final_layer_norm"),
-                "fc1": w.linear(f"{e}.layers.{i}.fc1"),
-                "fc2": w.linear(f"{e}.layers.{i}.fc2"),
-            }
-            for i in range(int(c["encoder_layers"]))
-        ]
+        self.enc_layers = _layers(
+            w, f"{e}.layers.", int(c["encoder_layers"]), _ENCODER_LAYER, {"attn": "self_attn"}
+        )
         self.enc_ln = w.linear(f"{e}.layer_norm")
         self.embed = w.take(f"{d}.embed_tokens.weight")
         self.dec_pos = w.take(f"{d}.embed_positions.weight")
-        self.dec_layers = [
-            {
-                "self": _attn_weights(w, f"{d}.layers.{i}.self_attn"),
-                "cross": _attn_weights(w, f"{d}.layers.{i}.encoder_attn"),
-                "ln1": w.linear(f"{d}.layers.{i}.self_attn_layer_norm"),
-                "ln2": w.linear(f"{d}.layers.{i}.encoder_attn_layer_norm"),
-                "ln3": w.linear(f"{d}.layers.{i}.final_layer_norm"),
-                "fc1": w.linear(f"{d}.layers.{i}.fc1"),
-                "fc2": w.linear(f"{d}.layers.{i}.fc2"),
-            }
-            for i in range(int(c["decoder_layers"]))
-        ]
+        self.dec_layers = _layers(
+            w,
+            f"{d}.layers.",
+            int(c["decoder_layers"]),
+            _DECODER_LAYER,
+            {"self": "self_attn", "cross": "encoder_attn"},
+        )
         self.dec_ln = w.linear(f"{d}.layer_norm")
         # A checkpoint with an untied head has proj_out; Whisper's own are tied.
         try:
@@ -293,21 +301,21 @@ class WhisperEncoder:
         self.no_speech_id = tid("<|nospeech|>") or tid("<|nocaptions|>")
         # An English-only checkpoint (tiny.en) has 51,864 ids; multilingual ones 51,865+.
         self.multilingual = int(c.get("vocab_size", 0)) >= 51865
-        self.proj: tuple[Linear, Linear] | None = None
+        self.proj: Projector | None = None
         self.pool = 2
         self.out_hidden: int | None = None  # without projector/: transcribe only
         if (folder / "projector" / "config.json").is_file():
             self.proj, self.pool, self.out_hidden = self._projector(folder / "projector", device)
         self._lock = threading.Lock()
 
-    def _projector(self, folder: Path, device: str) -> tuple[tuple[Linear, Linear], int, int]:
+    def _projector(self, folder: Path, device: str) -> tuple[Projector, int, int]:
         pc = read_config(folder, PROJECTOR_MODEL_TYPE)
         if int(pc["in_hidden_size"]) != self.model.d:
             raise InvalidArgument(
                 f"{folder} projects from {pc['in_hidden_size']}, not {self.model.d}"
             )
         w = Weights(folder, device)
-        return (w.linear("fc1"), w.linear("fc2")), int(pc["pool"]), int(pc["out_hidden_size"])
+        return Projector(w), int(pc["pool"]), int(pc["out_hidden_size"])
 
     def decode(self, item: MediaInput) -> np.ndarray:
         return decode_audio(item, SAMPLE_RATE, MAX_SECONDS, MAX_BYTES)
@@ -342,8 +350,7 @@ class WhisperEncoder:
         with self._lock:
             states = torch.cat([s[0, :n] for s, n in self._windows(inp)])
         x = F.avg_pool1d(states.T[None], self.pool, self.pool, ceil_mode=True)[0].T
-        fc1, fc2 = self.proj
-        return F.linear(F.gelu(F.linear(x, *fc1)), *fc2)
+        return self.proj(x)
 
     def transcribe_ids(self, inp: WhisperInput) -> list[list[int]]:
         """Greedy token ids per 30 s window."""
