@@ -238,9 +238,7 @@ class Graph:
                 src.phrase_chars = PHRASE_INPUT_CHARS  # see operations.Input.phrased
         if strategy:
             node.call.strategy = strategy_value(strategy)
-        node.input_ports.extend(_ports(types, sig.optional))
-        node.outputs.extend(_ports(sig.outputs))
-        return Node(self, node, sig.outputs)
+        return self._made(node, types, sig.outputs, sig.optional)
 
     def _control(
         self, name: str, inputs: Mapping[str, Any], retry: Retry | None, timeout_ms: int
@@ -251,6 +249,18 @@ class Graph:
             name, refs, retry=retry, timeout_ms=timeout_ms, max_concurrency=0, params=None
         )
         return node, {k: r.vtype for k, r in refs.items()}
+
+    def _made(
+        self,
+        node: cpb.Node,
+        inputs: Mapping[str, VType],
+        outputs: Mapping[str, VType],
+        optional: frozenset[str] = frozenset(),
+    ) -> Node:
+        """The node's handle, its ports declared: the kinds it reads and those it gives."""
+        node.input_ports.extend(_ports(inputs, optional))
+        node.outputs.extend(_ports(outputs))
+        return Node(self, node, outputs)
 
     def _body(self, body: Body, inputs: Mapping[str, VType]) -> tuple[cpb.Subgraph, dict]:
         sub = Graph(inputs)
@@ -280,9 +290,7 @@ class Graph:
             node.switch.cases.add(name=case_name, when=when, body=sub)
         sub, _ = self._body(default, types)
         node.switch.default_body.CopyFrom(sub)
-        node.input_ports.extend(_ports(types))
-        node.outputs.extend(_ports(outputs))
-        return Node(self, node, outputs)
+        return self._made(node, types, outputs)
 
     def loop(
         self,
@@ -305,9 +313,7 @@ class Graph:
         node.loop.body.CopyFrom(sub)
         node.loop.until.CopyFrom(until(body_outs))
         node.loop.max_iterations = max_iterations
-        node.input_ports.extend(_ports(types))
-        node.outputs.extend(_ports(out_types))
-        return Node(self, node, out_types)
+        return self._made(node, types, out_types)
 
     def map(
         self,
@@ -324,14 +330,10 @@ class Graph:
         """Run ``body`` once per element of the list ``over`` (bound to the body input
         ``item``); every output becomes the list of the bodies' outputs, in order."""
         node, types = self._control(name, {item: over, **inputs}, retry, timeout_ms)
-        node.input_ports.extend(_ports({**types, item: VType.LIST}))
-        types[item] = VType.ANY
-        sub, out_types = self._body(body, types)
+        sub, out_types = self._body(body, {**types, item: VType.ANY})
         node.map.over, node.map.max_parallel = item, max_parallel
         node.map.body.CopyFrom(sub)
-        list_types = dict.fromkeys(out_types, VType.LIST)
-        node.outputs.extend(_ports(list_types))
-        return Node(self, node, list_types)
+        return self._made(node, {**types, item: VType.LIST}, dict.fromkeys(out_types, VType.LIST))
 
     # -- compile
     def to_subgraph(self) -> cpb.Subgraph:
