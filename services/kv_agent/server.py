@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import grpc
 import numpy as np
@@ -62,6 +62,19 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 MAX_HASHES = 65536
 _RESERVATION_TTL_S = 30.0
+
+
+class _Part(Generic[_T]):
+    """A part of the app that ``start`` makes (``_<name>``): UNAVAILABLE until then."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._attr = f"_{name}"
+
+    def __get__(self, app: object, owner: type | None = None) -> _T:
+        part = getattr(app, self._attr)
+        if part is None:
+            raise Unavailable("kv agent is starting")
+        return part
 
 
 class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
@@ -395,29 +408,10 @@ class KVAgentApp(ServiceApp):
 
     # --- parts, available once started ------------------------------------------------------
 
-    @property
-    def pools(self) -> Pools:
-        if self._pools is None:
-            raise Unavailable("kv agent is starting")
-        return self._pools
-
-    @property
-    def tensors(self) -> TensorStore:
-        if self._tensors is None:
-            raise Unavailable("kv agent is starting")
-        return self._tensors
-
-    @property
-    def puller(self) -> Puller:
-        if self._puller is None:
-            raise Unavailable("kv agent is starting")
-        return self._puller
-
-    @property
-    def link(self) -> IndexLink:
-        if self._link is None:
-            raise Unavailable("kv agent is starting")
-        return self._link
+    pools = _Part[Pools]()
+    tensors = _Part[TensorStore]()
+    puller = _Part[Puller]()
+    link = _Part[IndexLink]()
 
     @property
     def owner_id(self) -> str:
