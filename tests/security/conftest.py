@@ -10,21 +10,19 @@ a worker of node-1, a worker of node-2, and a coordinator.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from pki_procs import client_security, pki_procs
 
-from omniflow.config import SecuritySettings
-from omniflow.localredis import RedisProcess, start_redis
+from omniflow.localredis import RedisProcess
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
-from omniflow.security.bundle import Bundle, make_bundle
+from omniflow.security.bundle import Bundle
 from omniflow.security.identity import Identity
 from omniflow.security.transport import Security
-from omniflow.testing.launch import ServiceProc, start_service, stop_all
+from omniflow.testing.launch import ServiceProc
 
 NODE1, NODE2 = "node-1", "node-2"
 
@@ -58,53 +56,20 @@ class Secured:
 
     def security(self, caller: str, token: str | None = None) -> Security:
         """Client-side security of a test identity, presenting tenant token ``token``."""
-        issued = self.bundle.certs[CALLERS[caller].uri]
-        return Security.load(
-            SecuritySettings(
-                tls="on",
-                tls_ca=str(self.bundle.ca),
-                tls_cert=str(issued.cert),
-                tls_key=str(issued.key),
-                token=self.tokens[token] if token else "",
-            )
-        )
+        return client_security(self.bundle, CALLERS[caller], self.tokens[token] if token else "")
 
     def channel(self, name: str, caller: str = "client", token: str | None = None) -> TracedChannel:
         return open_channel(self.addr(name), security=self.security(caller, token))
-
-
-def _start(
-    module: str, name: str, folder: Path, bundle: Bundle, redis: RedisProcess, **env: str
-) -> ServiceProc:
-    ident = SERVICES[name]
-    full = {
-        **bundle.env_for(ident),
-        "OMP_NUM_THREADS": "1",
-        "OMNIFLOW_INSTANCE_ID": ident.instance,
-        "OMNIFLOW_NODE_ID": ident.node,
-        **env,
-        "OMNIFLOW_TOKEN": "",  # services present certificates, never a caller's token
-    }
-    return start_service(module, name, tmp=folder, redis_url=redis.url, **full)
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     pytest.importorskip("torch", reason="the llm worker of the secured topology needs torch")
     folder = tmp_path_factory.mktemp("secured")
-    identities = [*SERVICES.values(), *CALLERS.values()]
-    bundle = make_bundle(folder / "pki", identities, list(GRANTS.values()))
-    tokens = {k: bundle.tokens[g] for k, g in GRANTS.items()}
-    redis = start_redis(dir=folder / "redis", password=secrets.token_hex(16))
-    started: list[ServiceProc] = []
-    tag = f"h9sec{os.getpid()}"
-
-    def start(module: str, name: str, **env: str) -> ServiceProc:
-        proc = _start(module, name, folder, bundle, redis, **env)
-        started.append(proc)
-        return proc
-
-    try:
+    with pki_procs(folder, SERVICES, list(CALLERS.values()), list(GRANTS.values())) as pki:
+        tokens = {k: pki.bundle.tokens[g] for k, g in GRANTS.items()}
+        tag = f"h9sec{os.getpid()}"
+        start = pki.start
         procs = {"kv-index": start("omniflow_services.kv_index", "kv-index").wait_ready(60)}
         for name in ("agent-1", "agent-2"):
             procs[name] = start(
@@ -141,7 +106,4 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
             "coordinator",
             OMNIFLOW_ROUTER_ADDR=procs["router"].address,
         ).wait_ready(60)
-        yield Secured(bundle, redis, procs, tokens)
-    finally:
-        stop_all(started)
-        redis.stop()
+        yield Secured(pki.bundle, pki.redis, procs, tokens)

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
-import socket
-import ssl
 import subprocess
 import sys
 import threading
@@ -27,18 +24,17 @@ from pathlib import Path
 import grpc
 import pytest
 from cryptography import x509
+from pki_procs import PkiProcs, client_security, pki_procs, served_certificate
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.coordinator.v1 import coordinator_pb2_grpc
-from omniflow.config import SecuritySettings
 from omniflow.dsl import Workflow, register_operation
-from omniflow.localredis import RedisProcess, start_redis
 from omniflow.rpc.client import open_channel
-from omniflow.security.bundle import Bundle, make_bundle
+from omniflow.security.bundle import Bundle
 from omniflow.security.identity import Identity
 from omniflow.security.transport import Security
-from omniflow.testing.launch import ServiceProc, start_service, stop_all
+from omniflow.testing.launch import ServiceProc
 from omniflow.values import VType
 
 pytestmark = pytest.mark.integration
@@ -58,63 +54,26 @@ OMNIFLOW = str(Path(sys.executable).with_name("omniflow"))
 
 @dataclass
 class Topo:
-    folder: Path
-    bundle: Bundle
-    redis: RedisProcess
+    pki: PkiProcs
     procs: dict[str, ServiceProc]
-    token: str
-    start: object
+
+    @property
+    def folder(self) -> Path:
+        return self.pki.folder
+
+    @property
+    def bundle(self) -> Bundle:
+        return self.pki.bundle
 
     def security(self, cert: Path | None = None, key: Path | None = None) -> Security:
-        issued = self.bundle.certs[CLIENT.uri]
-        return Security.load(
-            SecuritySettings(
-                tls="on", tls_ca=str(self.bundle.ca), tls_cert=str(cert or issued.cert),
-                tls_key=str(key or issued.key), token=self.token,
-            )
-        )  # fmt: skip
+        return client_security(self.bundle, CLIENT, self.bundle.tokens[":admin"], cert, key)
 
 
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topo]:
     folder = tmp_path_factory.mktemp("carot")
-    bundle = make_bundle(folder / "pki", [*SERVICES.values(), CLIENT], [":admin"])
-    redis = start_redis(dir=folder / "redis", password=secrets.token_hex(16))
-    started: list[ServiceProc] = []
-
-    def start(module: str, name: str, **env: str) -> ServiceProc:
-        ident = SERVICES[name]
-        full = {
-            **bundle.env_for(ident),
-            "OMNIFLOW_INSTANCE_ID": ident.instance,
-            "OMNIFLOW_NODE_ID": ident.node,
-            **env,
-            "OMNIFLOW_TOKEN": "",
-        }
-        proc = start_service(module, name, tmp=folder, redis_url=redis.url, **full)
-        started.append(proc)
-        return proc
-
-    try:
-        procs = {
-            "echo-1": start(
-                "omniflow_services.worker",
-                "echo-1",
-                OMNIFLOW_WORKER_ROLE="echo",
-                OMNIFLOW_WORKER_ENGINE="echo",
-            ).wait_ready(60)
-        }
-        procs["router"] = start(
-            "omniflow_services.router", "router", OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.5"
-        ).wait_ready(60)
-        procs["coordinator"] = start(
-            "omniflow_services.coordinator", "coordinator",
-            OMNIFLOW_ROUTER_ADDR=procs["router"].address,
-        ).wait_ready(60)  # fmt: skip
-        yield Topo(folder, bundle, redis, procs, bundle.tokens[":admin"], start)
-    finally:
-        stop_all(started)
-        redis.stop()
+    with pki_procs(folder, SERVICES, [CLIENT], [":admin"]) as pki:
+        yield Topo(pki, pki.echo_control_plane())
 
 
 def _workflow() -> cpb.RegisterWorkflowRequest:
@@ -135,15 +94,7 @@ async def _run(stub: coordinator_pb2_grpc.CoordinatorServiceStub, text: str) -> 
 def _served_issuer(address: str, topo: Topo) -> x509.Name:
     """The issuer of the certificate a new TLS handshake with ``address`` presents."""
     issued = topo.bundle.certs[CLIENT.uri]
-    ctx = ssl.create_default_context(cafile=str(topo.bundle.ca))
-    ctx.load_cert_chain(str(issued.cert), str(issued.key))
-    ctx.set_alpn_protocols(["h2"])
-    host, port = address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as raw:
-        with ctx.wrap_socket(raw, server_hostname=host) as tls:
-            der = tls.getpeercert(binary_form=True)
-    assert der is not None
-    return x509.load_der_x509_certificate(der).issuer
+    return served_certificate(address, topo.bundle.ca, issued.cert, issued.key).issuer
 
 
 def test_ca_rotation_loses_no_request(topo: Topo) -> None:
@@ -208,7 +159,7 @@ def test_ca_rotation_loses_no_request(topo: Topo) -> None:
     # The old CA is dropped: its certificate is refused at the handshake.
     asyncio.run(_refused(topo, old_client / issued.cert.name, old_client / issued.key.name))
     # A worker started now, reached by the running coordinator over a channel it opens now.
-    topo.procs["echo-2"] = topo.start(  # type: ignore[operator]
+    topo.procs["echo-2"] = topo.pki.start(
         "omniflow_services.worker",
         "echo-2",
         OMNIFLOW_WORKER_ROLE="echo",

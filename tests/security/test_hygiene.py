@@ -13,8 +13,6 @@ import functools
 import json
 import os
 import shutil
-import socket
-import ssl
 import stat
 import subprocess
 import sys
@@ -27,6 +25,7 @@ import grpc
 import httpx
 import pytest
 from cryptography import x509
+from pki_procs import served_certificate
 
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.client import Client
@@ -287,15 +286,12 @@ def test_removed_api_key_stops_working_and_keys_expire(up: Up) -> None:
 def _served_serial(address: str, up: Up) -> int:
     """The serial of the certificate a new TLS handshake with ``address`` presents."""
     record = up.client
-    ctx = ssl.create_default_context(cafile=record["OMNIFLOW_TLS_CA"])
-    ctx.load_cert_chain(record["OMNIFLOW_TLS_CERT"], record["OMNIFLOW_TLS_KEY"])
-    ctx.set_alpn_protocols(["h2"])
-    host, port = address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as raw:
-        with ctx.wrap_socket(raw, server_hostname=host) as tls:
-            der = tls.getpeercert(binary_form=True)
-    assert der is not None
-    return x509.load_der_x509_certificate(der).serial_number
+    return served_certificate(
+        address,
+        Path(record["OMNIFLOW_TLS_CA"]),
+        Path(record["OMNIFLOW_TLS_CERT"]),
+        Path(record["OMNIFLOW_TLS_KEY"]),
+    ).serial_number
 
 
 def test_certs_rotate_loses_no_request(up: Up) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
@@ -22,18 +21,15 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import redis.asyncio as aioredis
+from pki_procs import PkiProcs, client_security, pki_procs
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.coordinator.v1 import coordinator_pb2_grpc
-from omniflow.config import SecuritySettings
 from omniflow.dsl import Workflow, register_operation
-from omniflow.localredis import RedisProcess, start_redis
 from omniflow.rpc.client import open_channel
-from omniflow.security.bundle import Bundle, make_bundle
 from omniflow.security.identity import Identity
-from omniflow.security.transport import Security
-from omniflow.testing.launch import ServiceProc, start_service, stop_all
+from omniflow.testing.launch import ServiceProc
 from omniflow.values import VType
 
 register_operation("echo", "upper", {"text": VType.TEXT}, {"text": VType.TEXT})
@@ -50,74 +46,26 @@ GRANTS = {"a": "tenant-a:user", "b": "tenant-b:user", "admin": ":admin"}
 
 @dataclass
 class Topo:
-    bundle: Bundle
-    redis: RedisProcess
+    pki: PkiProcs
     procs: dict[str, ServiceProc]
-    tokens: dict[str, str]
 
     def stub(
         self, token: str
     ) -> tuple[grpc.aio.Channel, coordinator_pb2_grpc.CoordinatorServiceStub]:
-        issued = self.bundle.certs[CLIENT.uri]
-        sec = Security.load(
-            SecuritySettings(
-                tls="on",
-                tls_ca=str(self.bundle.ca),
-                tls_cert=str(issued.cert),
-                tls_key=str(issued.key),
-                token=self.tokens[token],
-            )
-        )
+        sec = client_security(self.pki.bundle, CLIENT, self.pki.bundle.tokens[GRANTS[token]])
         channel = open_channel(self.procs["coordinator"].address, security=sec)
         return channel, coordinator_pb2_grpc.CoordinatorServiceStub(channel)
 
     def db(self) -> aioredis.Redis:
-        return aioredis.from_url(self.redis.url, socket_timeout=5)
+        return aioredis.from_url(self.pki.redis.url, socket_timeout=5)
 
 
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topo]:
     folder = tmp_path_factory.mktemp("runkeys")
-    bundle = make_bundle(folder / "pki", [*SERVICES.values(), CLIENT], list(GRANTS.values()))
-    tokens = {k: bundle.tokens[g] for k, g in GRANTS.items()}
-    redis = start_redis(dir=folder / "redis", password=secrets.token_hex(16))
-    started: list[ServiceProc] = []
-
-    def start(module: str, name: str, **env: str) -> ServiceProc:
-        ident = SERVICES[name]
-        full = {
-            **bundle.env_for(ident),
-            "OMNIFLOW_INSTANCE_ID": ident.instance,
-            "OMNIFLOW_NODE_ID": ident.node,
-            **env,
-            "OMNIFLOW_TOKEN": "",
-        }
-        proc = start_service(module, name, tmp=folder, redis_url=redis.url, **full)
-        started.append(proc)
-        return proc
-
-    try:
-        procs = {
-            "echo-1": start(
-                "omniflow_services.worker",
-                "echo-1",
-                OMNIFLOW_WORKER_ENGINE="echo",
-                OMNIFLOW_WORKER_ROLE="echo",
-            ).wait_ready(60)
-        }
-        procs["router"] = start(
-            "omniflow_services.router", "router", OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.5"
-        ).wait_ready(60)
-        procs["coordinator"] = start(
-            "omniflow_services.coordinator",
-            "coordinator",
-            OMNIFLOW_ROUTER_ADDR=procs["router"].address,
-            OMNIFLOW_REGISTRATION_TTL_S="1.5",  # adoption sweeps every 0.5 s
-        ).wait_ready(60)
-        yield Topo(bundle, redis, procs, tokens)
-    finally:
-        stop_all(started)
-        redis.stop()
+    with pki_procs(folder, SERVICES, [CLIENT], list(GRANTS.values())) as pki:
+        # Adoption sweeps every 0.5 s.
+        yield Topo(pki, pki.echo_control_plane(OMNIFLOW_REGISTRATION_TTL_S="1.5"))
 
 
 def upper(name: str) -> cpb.RegisterWorkflowRequest:
