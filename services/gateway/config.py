@@ -74,6 +74,13 @@ class GatewaySettings(CommonSettings):
         "routing strategy of llm calls (router: the router's default for the role)",
         choices=LLM_STRATEGIES,
     )
+    lone_worker_pick: bool = setting(
+        "OMNIFLOW_GATEWAY_LONE_WORKER_PICK",
+        False,
+        "ask the router's Pick also for a model one live worker serves (the router's load "
+        "then counts those calls); off: they go straight to that worker, no Pick and no "
+        "report, and the router reads its load from the worker's own queue (GetLoad)",
+    )
     max_prompt_bytes: int = setting(
         "OMNIFLOW_GATEWAY_MAX_PROMPT_BYTES",
         1 << 20,

@@ -263,7 +263,7 @@ class GatewayCore:
         wait = Backoff.within(self.settings.failover_wait_s, 0.05, 1.0)
         for attempt in itertools.count():
             mine = {w.worker_id for w in prep.workers} - set(failed)
-            picked = ahead or await self._pick(prep, others + (failed if mine else ()))
+            picked = ahead or await self._pick(prep, others + (failed if mine else ()), failed)
             ahead = None
             started = time.perf_counter()
             sent = False
@@ -311,10 +311,20 @@ class GatewayCore:
         """Hand back picks no stream used (the client left first): neutral outcomes."""
         for prep in preps:
             for picked in prep.picked.values():
-                self.backends.report(picked.worker_id, True, 0.0)
+                if picked.routed:
+                    self.backends.report(picked.worker_id, True, 0.0)
             prep.picked.clear()
 
-    async def _pick(self, prep: Prepared, exclude: tuple[str, ...]) -> Picked:
+    async def _pick(
+        self, prep: Prepared, exclude: tuple[str, ...], failed: tuple[str, ...] = ()
+    ) -> Picked:
+        lone = prep.workers[0] if len(prep.workers) == 1 else None
+        if lone is not None and not failed and not self.settings.lone_worker_pick:
+            # One live worker serves the model: every strategy's answer is that worker, so
+            # the Pick round trip (a gRPC call, most of the gateway's own latency) is not
+            # made. A retry after a failure asks the router (its listing may know the
+            # worker's new address; its breakers); see OMNIFLOW_GATEWAY_LONE_WORKER_PICK.
+            return Picked(lone.worker_id, lone.address, routed=False)
         n_ids = len(prep.token_ids) if prep.token_ids is not None else 0
         strategy = self.settings.llm_strategy
         pick = self.backends.pick(
@@ -335,7 +345,8 @@ class GatewayCore:
             self.share.spent(policy.current().tenant, tokens)
 
     def _report(self, picked: Picked, started: float, ok: bool, code: str = "") -> None:
-        self.backends.report(picked.worker_id, ok, (time.perf_counter() - started) * 1e3, code)
+        if picked.routed:  # an outcome ends the router's count of its own pick only
+            self.backends.report(picked.worker_id, ok, (time.perf_counter() - started) * 1e3, code)
 
     async def merged(
         self, preps: list[Prepared], n: int, whole: bool = False

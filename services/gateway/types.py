@@ -45,6 +45,8 @@ class GenChunk:
 class Picked:
     worker_id: str
     address: str
+    #: False: no router was asked (the model's lone worker), so no outcome is reported.
+    routed: bool = True
 
 
 @dataclass(frozen=True, slots=True)

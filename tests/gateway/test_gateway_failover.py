@@ -45,10 +45,11 @@ def _topology(
     *,
     routers: int,
     delay_ms: str,
+    workers: int = 2,
     **gateway_env: str,
 ) -> dict[str, ServiceProc]:
     procs: dict[str, ServiceProc] = {}
-    for i in range(2):
+    for i in range(workers):
         procs[f"llm-{i}"] = launch(
             ECHO,
             f"llm-{i}",
@@ -208,3 +209,50 @@ async def test_a_tenant_past_its_tokens_per_minute_is_refused_alone(
     assert reply.choices[0].text.startswith("echo: ")  # tenant b is served meanwhile
     await a.close()
     await b.close()
+
+
+async def test_a_lone_worker_is_called_without_a_pick(
+    launch: Callable[..., ServiceProc], tmp_path: Path
+) -> None:
+    # One worker serves "echo": the gateway calls it without asking the router (no Pick,
+    # no outcome); with OMNIFLOW_GATEWAY_LONE_WORKER_PICK=true it asks, once per request.
+    procs = _topology(launch, tmp_path, routers=1, delay_ms="0", workers=1)
+    router = procs["router-0"].address
+    client = _client(procs["gateway"])
+    expected = await _complete(client, stream=False)
+    assert expected.startswith("echo: "), expected
+    for stream in (True, False, True):
+        assert await _complete(client, stream) == expected
+    assert await _picks(router) == 0
+    await client.close()
+    asking = launch(
+        GATEWAY,
+        "gateway-asking",
+        OMNIFLOW_GATEWAY_PORT="0",
+        OMNIFLOW_MODELS_DIR=str(tmp_path / "models"),
+        OMNIFLOW_GATEWAY_LONE_WORKER_PICK="true",
+    ).wait_ready(timeout_s=60)
+    client = _client(asking)
+    for stream in (True, False):
+        assert await _complete(client, stream) == expected
+    assert await _picks(router) == 2
+    await client.close()
+
+
+async def test_a_lone_worker_that_died_is_asked_of_the_router_then_503(
+    launch: Callable[..., ServiceProc], tmp_path: Path
+) -> None:
+    # The model's only worker died without deregistering: the direct call fails, the retry
+    # asks the router (which has nothing better), and the answer is 503 within the wait (a
+    # streamed one would have had its 200 already, and ends with an error event).
+    procs = _topology(
+        launch, tmp_path, routers=1, delay_ms="0", workers=1, OMNIFLOW_GATEWAY_FAILOVER_WAIT_S="1"
+    )
+    client = _client(procs["gateway"])
+    await _complete(client, stream=False)
+    procs["llm-0"].kill()
+    with pytest.raises(openai.APIStatusError) as err:
+        await _complete(client, stream=False)
+    assert err.value.status_code == 503, err.value
+    assert await _picks(procs["router-0"].address) > 0  # the retry did ask the router
+    await client.close()
