@@ -456,14 +456,7 @@ class KVAgentApp(ServiceApp):
             s.tensor_bytes,
             default_ttl_s=s.tensor_ttl_s,
         )
-        self._puller = Puller(
-            self.counters,
-            self.nixl,
-            chunk_bytes=s.chunk_bytes,
-            max_chunk_bytes=s.max_chunk_bytes,
-            timeout_s=s.call_timeout_s,
-            streams=s.pull_streams,
-        )
+        self._puller = Puller(self.counters, self.nixl, s)
         self._link = IndexLink(
             runtime.instance_id,
             runtime.node,

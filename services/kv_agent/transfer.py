@@ -33,6 +33,7 @@ from omniflow.rpc.client import open_channel
 from omniflow.rpc.context import failed_call
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow_services.kv_agent import metrics
+from omniflow_services.kv_agent.config import KVAgentSettings
 from omniflow_services.kv_agent.nixl_channel import NixlChannel
 from omniflow_services.kv_agent.pools import PagePool
 from omniflow_services.kv_agent.tiers import Reservation
@@ -40,6 +41,7 @@ from omniflow_services.kv_agent.tiers import Reservation
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+WINDOW_PAGES = 256  # pages one pull asks a source for at a time
 
 
 @dataclass(slots=True)
@@ -126,26 +128,15 @@ class PullResult:
 
 
 class Puller:
-    """Pulls pages from remote agents into this agent's host tier."""
+    """Pulls pages from remote agents into this agent's host tier, within the agent's
+    settings: chunk sizes, the deadline of its calls, GetPages streams per pull."""
 
     def __init__(
-        self,
-        counters: Counters,
-        nixl: NixlChannel | None,
-        *,
-        chunk_bytes: int,
-        max_chunk_bytes: int,
-        timeout_s: float,
-        window_pages: int = 256,
-        streams: int = 2,
+        self, counters: Counters, nixl: NixlChannel | None, settings: KVAgentSettings
     ) -> None:
         self.counters = counters
         self.nixl = nixl
-        self.chunk_bytes = chunk_bytes
-        self.max_chunk_bytes = max_chunk_bytes
-        self.timeout_s = timeout_s
-        self.window_pages = window_pages
-        self.streams = max(1, streams)
+        self.settings = settings
         self._stubs: dict[str, tuple[TracedChannel, kvagent_pb2_grpc.KVAgentServiceStub]] = {}
         # Arenas registered with NIXL as READ destinations (their metadata never leaves).
         self._destinations: set[int] = set()
@@ -153,7 +144,7 @@ class Puller:
     def stub(self, address: str) -> kvagent_pb2_grpc.KVAgentServiceStub:
         held = self._stubs.get(address)
         if held is None:
-            channel = open_channel(address, default_timeout_s=self.timeout_s)
+            channel = open_channel(address, default_timeout_s=self.settings.call_timeout_s)
             held = self._stubs[address] = (channel, kvagent_pb2_grpc.KVAgentServiceStub(channel))
         return held[1]
 
@@ -197,8 +188,8 @@ class Puller:
         chosen = await self.choose_channel(address, channel) if missing else channel or "grpc"
         failures = 0
         moved = 0
-        for i in range(0, len(missing), self.window_pages):
-            window = missing[i : i + self.window_pages]
+        for i in range(0, len(missing), WINDOW_PAGES):
+            window = missing[i : i + WINDOW_PAGES]
             if chosen == "nixl":
                 got, bad, nbytes = await self._pull_nixl(pool, namespace, window, address)
             else:
@@ -220,7 +211,7 @@ class Puller:
     ) -> tuple[int, int, int]:
         """Pull over ``streams`` concurrent GetPages calls, each for a contiguous part (one
         Python stream cannot keep the connection busy: measured ~2x with two)."""
-        step = -(-len(hashes) // self.streams)
+        step = -(-len(hashes) // self.settings.pull_streams)
         parts = [hashes[i : i + step] for i in range(0, len(hashes), step)]
         results = await asyncio.gather(
             *(self._pull_stream(pool, namespace, part, address) for part in parts)
@@ -235,9 +226,10 @@ class Puller:
     async def _pull_stream(
         self, pool: PagePool, namespace: bytes, hashes: list[bytes], address: str
     ) -> tuple[int, int, int]:
-        receiver = PageReceiver(pool, namespace, self.max_chunk_bytes, self.counters, hashes)
+        s = self.settings
+        receiver = PageReceiver(pool, namespace, s.max_chunk_bytes, self.counters, hashes)
         request = kvagent_pb2.GetPagesRequest(
-            **namespace_fields(namespace), block_hashes=hashes, chunk_bytes=self.chunk_bytes
+            **namespace_fields(namespace), block_hashes=hashes, chunk_bytes=s.chunk_bytes
         )
         call = self.stub(address).GetPages(request)
         try:
@@ -273,7 +265,7 @@ class Puller:
                 kvagent_pb2.LocatePagesRequest(
                     **ns,
                     block_hashes=hashes,
-                    pin_ttl_ms=int(self.timeout_s * 1000) + 5000,
+                    pin_ttl_ms=int(self.settings.call_timeout_s * 1000) + 5000,
                     nixl_grant=True,
                 )
             ),
@@ -296,7 +288,9 @@ class Puller:
                 arena.base_address + arena.data_offset + ref.slot * arena.slot_stride
                 for _, ref in reservations
             ]
-            await self.nixl.read(remote, local, remote_addrs, pool.page_bytes, self.timeout_s)
+            await self.nixl.read(
+                remote, local, remote_addrs, pool.page_bytes, self.settings.call_timeout_s
+            )
             while reservations:
                 res, ref = reservations.pop(0)
                 try:
