@@ -14,8 +14,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Generic, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, Generic, TypeVar
 
 import grpc
 import numpy as np
@@ -55,6 +55,7 @@ from omniflow_services.kv_agent.nixl_channel import (
 )
 from omniflow_services.kv_agent.pools import PagePool, Pools, safe_name
 from omniflow_services.kv_agent.tensors import TensorStore
+from omniflow_services.kv_agent.tiers import PageHandle
 from omniflow_services.kv_agent.transfer import Counters, PageReceiver, Puller
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,8 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
     async def LocatePages(
         self, request: kvagent_pb2.LocatePagesRequest, context: grpc.aio.ServicerContext
     ) -> kvagent_pb2.LocatePagesResponse:
-        pool, ns = await self.app.pool_for(read_namespace(request))
-        hashes = check_hashes(request.block_hashes, MAX_HASHES)
-        handles = await self.app.offload(pool, lambda: pool.store.acquire_chain(ns, hashes))
+        pool, ns, hashes = await self.app.chain(request)
+        handles = await self.app.acquire(pool, ns, hashes)
         if not handles:
             return kvagent_pb2.LocatePagesResponse(shm_name=pool.shm_name)
         s = self.app.settings
@@ -212,16 +212,15 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
     async def GetPages(
         self, request: kvagent_pb2.GetPagesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvagent_pb2.PageChunk]:
-        pool, ns = await self.app.pool_for(read_namespace(request))
+        pool, ns, hashes = await self.app.chain(request)
         first = namespace_fields(ns)  # on each page's first chunk
-        hashes = check_hashes(request.block_hashes, MAX_HASHES)
         chunk = request.chunk_bytes or self.app.settings.chunk_bytes
         chunk = min(chunk, self.app.settings.max_chunk_bytes)
         pb = pool.page_bytes
         window = 64
         for start in range(0, len(hashes), window):
             part = hashes[start : start + window]
-            handles = await self.app.offload(pool, lambda p=part: pool.store.acquire_chain(ns, p))
+            handles = await self.app.acquire(pool, ns, part)
             try:
                 for handle in handles:
                     view = pool.arena.view(handle.slot)
@@ -247,8 +246,7 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
     async def PullPages(
         self, request: kvagent_pb2.PullPagesRequest, context: grpc.aio.ServicerContext
     ) -> kvagent_pb2.PullPagesResponse:
-        pool, ns = await self.app.pool_for(read_namespace(request))
-        hashes = check_hashes(request.block_hashes, MAX_HASHES)
+        pool, ns, hashes = await self.app.chain(request)
         if not request.source_address:
             raise InvalidArgument("source_address (the agent holding the pages) is required")
         if request.source_address == self.app.address:
@@ -263,9 +261,8 @@ class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
     async def FetchPages(
         self, request: kvagent_pb2.FetchPagesRequest, context: grpc.aio.ServicerContext
     ) -> kvagent_pb2.FetchPagesResponse:
-        pool, ns = await self.app.pool_for(read_namespace(request))
-        hashes = check_hashes(request.block_hashes, MAX_HASHES)
-        handles = await self.app.offload(pool, lambda: pool.store.acquire_chain(ns, hashes))
+        pool, ns, hashes = await self.app.chain(request)
+        handles = await self.app.acquire(pool, ns, hashes)
         for handle in handles:
             pool.store.release(handle)
         return kvagent_pb2.FetchPagesResponse(fetched=len(handles))
@@ -545,11 +542,17 @@ class KVAgentApp(ServiceApp):
         self._namespaces.add(ns)  # counted once it has a pool: unknown ones cost nothing
         return pool, ns
 
-    async def offload(self, pool: PagePool, fn: Callable[[], _T]) -> _T:
-        """Run a store call that may do SSD I/O in a thread; host-only calls run inline."""
+    async def chain(self, request: Any) -> tuple[PagePool, bytes, list[bytes]]:
+        """A page request's pool, namespace and block hashes (checked, MAX_HASHES at most)."""
+        pool, ns = await self.pool_for(read_namespace(request))
+        return pool, ns, check_hashes(request.block_hashes, MAX_HASHES)
+
+    async def acquire(self, pool: PagePool, ns: bytes, hashes: list[bytes]) -> list[PageHandle]:
+        """Pin the leading run of ``hashes`` held here (SSD pages promoted to host): in a
+        thread when there is an SSD tier (its I/O may block), inline when host-only."""
         if pool.store.ssd is None:
-            return fn()
-        return await asyncio.to_thread(fn)
+            return pool.store.acquire_chain(ns, hashes)
+        return await asyncio.to_thread(pool.store.acquire_chain, ns, hashes)
 
     def stats(self) -> kvagent_pb2.StatsResponse:
         host = kvagent_pb2.TierUsage(tier=tier_to_proto(Tier.HOST))
