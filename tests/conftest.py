@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from inprocess import host_settings
 
-from omniflow.config import load_settings
 from omniflow.localredis import LocalRedisError, RedisProcess, find_redis_server, start_redis
 from omniflow.rpc.server import ServiceHost
 from omniflow.testing.launch import ServiceProc, start_service, stop_all
@@ -70,13 +70,6 @@ def redis_server(
 # address directly (the discovery listing of the shared Redis may hold other tests' indexes).
 
 
-def _settings(cls, redis_url: str, **extra):
-    base = load_settings(cls, env={})
-    return dataclasses.replace(
-        base, redis_url=redis_url, port=0, metrics_port=-1, registration_ttl_s=2.0, **extra
-    )
-
-
 @dataclasses.dataclass
 class Cluster:
     index: ServiceHost
@@ -93,7 +86,7 @@ async def kv_cluster(redis_server, tmp_path: Path) -> AsyncIterator[Cluster]:
     tag = uuid.uuid4().hex[:8]
     hosts: list[ServiceHost] = []
     index_app = KVIndexApp(
-        _settings(
+        host_settings(
             KVIndexSettings,
             redis_server.url,
             instance_id=f"kvi-{tag}",
@@ -108,7 +101,7 @@ async def kv_cluster(redis_server, tmp_path: Path) -> AsyncIterator[Cluster]:
     agents: dict[str, ServiceHost] = {}
 
     async def start_agent(name: str, **extra) -> ServiceHost:
-        settings = _settings(
+        settings = host_settings(
             KVAgentSettings,
             redis_server.url,
             instance_id=f"{name}-{tag}",

@@ -14,15 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from up_procs import instance_pids, omniflow_cli, procs_by_name, up_state, wait_for
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.client import Client
@@ -31,57 +29,12 @@ from omniflow.security.local import local_client
 
 pytestmark = pytest.mark.integration
 
-OMNIFLOW = shutil.which("omniflow") or str(Path(sys.executable).with_name("omniflow"))
 # Half a second per generated word: a generation of a few words is a run still in flight.
 TOPOLOGY = (
     "node: sup\nworkers:\n  - {role: llm, count: 1, program: echo, "
     "env: {OMNIFLOW_ECHO_TOKEN_DELAY_MS: '500'}}\n"
 )
 PROMPT = "one two three four five six seven eight"
-
-
-def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [OMNIFLOW, *args], env=env, capture_output=True, text=True, timeout=240, check=False
-    )
-
-
-def _state(run: Path) -> dict:
-    return json.loads((run / "state.json").read_text())
-
-
-def _by_name(run: Path) -> dict[str, dict]:
-    return {p["name"]: p for p in _state(run)["procs"]}
-
-
-def _instances(run: Path, name: str) -> list[int]:
-    """PIDs of live processes started as instance ``name`` of the topology in ``run`` (their
-    environment says so: other topologies on the machine have an ``llm-1`` too)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
-            continue
-        if f"OMNIFLOW_INSTANCE_ID={name}".encode() in env and (
-            f"OMNIFLOW_RUN_DIR={run}".encode() in env
-        ):
-            found.append(int(entry.name))
-    return found
-
-
-def _wait(cond, timeout_s: float, what: str) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
 @pytest.fixture
@@ -91,45 +44,45 @@ def topology(tmp_path: Path, redis_binary: Path):
     env.pop("OMNIFLOW_REDIS_URL", None)
     spec = tmp_path / "topology.yaml"
     spec.write_text(TOPOLOGY)
-    up = _run(["up", "--topology", str(spec)], env)
+    up = omniflow_cli(["up", "--topology", str(spec)], env)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         yield run, env, spec
     finally:
-        down = _run(["down"], env)
+        down = omniflow_cli(["down"], env)
         assert down.returncode == 0, down.stdout + down.stderr
 
 
 def test_the_supervisor_keeps_ports_and_survives_an_unwritable_state(topology) -> None:
     run, _, _ = topology
-    before = _by_name(run)
+    before = procs_by_name(run)
     address = before["router"]["address"]
     for n in (1, 2, 3):  # killed again as soon as it is back: "died twice within 5 s"
-        old = _by_name(run)["router"]["pid"]
+        old = procs_by_name(run)["router"]["pid"]
         os.kill(old, signal.SIGKILL)
-        _wait(lambda old=old: _by_name(run)["router"]["pid"] != old, 30, f"restart {n}")
+        wait_for(lambda old=old: procs_by_name(run)["router"]["pid"] != old, 30, f"restart {n}")
     ready = run / "ready" / "router.json"
-    _wait(lambda: ready.exists() and json.loads(ready.read_text())["pid"] ==
-          _by_name(run)["router"]["pid"], 60, "the router SERVING again")  # fmt: skip
-    after = _by_name(run)["router"]
+    wait_for(lambda: ready.exists() and json.loads(ready.read_text())["pid"] ==
+             procs_by_name(run)["router"]["pid"], 60, "the router SERVING again")  # fmt: skip
+    after = procs_by_name(run)["router"]
     assert after["address"] == address and json.loads(ready.read_text())["address"] == address
     assert after["restarts"] == 3
 
     # state.json cannot be written any more (its temporary file's name is taken).
-    supervisor = _state(run)["supervisor"]
+    supervisor = up_state(run)["supervisor"]
     blocker = run / f"state.json.{supervisor}.tmp"
     blocker.mkdir()
-    worker = _by_name(run)["llm-1"]
+    worker = procs_by_name(run)["llm-1"]
     os.kill(worker["pid"], signal.SIGKILL)
     time.sleep(6)  # many supervision passes
-    live = _instances(run, "llm-1")
+    live = instance_pids(run, "llm-1")
     assert len(live) == 1 and live[0] != worker["pid"], live  # restarted once, not per pass
     log = (run / "logs" / "supervisor.log").read_text()
     assert "cannot write" in log
-    assert _by_name(run)["llm-1"]["pid"] == worker["pid"]  # the file is stale meanwhile
+    assert procs_by_name(run)["llm-1"]["pid"] == worker["pid"]  # the file is stale meanwhile
     blocker.rmdir()
-    _wait(lambda: _by_name(run)["llm-1"]["pid"] == live[0], 10, "state.json written again")
-    assert _by_name(run)["llm-1"]["restarts"] == worker["restarts"] + 1
+    wait_for(lambda: procs_by_name(run)["llm-1"]["pid"] == live[0], 10, "state.json written again")
+    assert procs_by_name(run)["llm-1"]["restarts"] == worker["restarts"] + 1
 
 
 def _slow() -> Workflow:
@@ -140,7 +93,7 @@ def _slow() -> Workflow:
 
 def test_up_on_a_dead_run_folder_resumes_the_run_in_flight(topology) -> None:
     run, env, spec = topology
-    coordinator = _by_name(run)["coordinator"]["address"]
+    coordinator = procs_by_name(run)["coordinator"]["address"]
     run_id = uuid.uuid4().hex
 
     async def submit() -> None:
@@ -154,15 +107,15 @@ def test_up_on_a_dead_run_folder_resumes_the_run_in_flight(topology) -> None:
         asyncio.run(submit())
     time.sleep(1.2)  # Redis's AOF is fsynced every second
     # Every process dies at once: the supervisor first (nothing restarts them).
-    state = _state(run)
+    state = up_state(run)
     os.kill(state["supervisor"], signal.SIGKILL)
     for p in state["procs"]:
         os.kill(p["pid"], signal.SIGKILL)
     names = [p["name"] for p in state["procs"] if p["name"] != "redis"]
-    _wait(lambda: not any(_instances(run, n) for n in names), 15, "every process gone")
-    again = _run(["up", "--topology", str(spec)], env)
+    wait_for(lambda: not any(instance_pids(run, n) for n in names), 15, "every process gone")
+    again = omniflow_cli(["up", "--topology", str(spec)], env)
     assert again.returncode == 0, again.stdout + again.stderr
-    coordinator = _by_name(run)["coordinator"]["address"]
+    coordinator = procs_by_name(run)["coordinator"]["address"]
 
     async def outcome() -> cpb.Run:
         async with Client(coordinator) as client:

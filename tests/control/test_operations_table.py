@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
+from inprocess import host_settings
 
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.config import load_settings
@@ -145,13 +146,9 @@ def test_the_callers_params_are_the_tables() -> None:
 @pytest.fixture
 async def bare_worker(private_redis) -> AsyncIterator[ServiceHost]:  # type: ignore[no-untyped-def]
     """A real worker edge of role embed with no model loaded."""
-    base = load_settings(WorkerSettings, env={})
-    settings = dataclasses.replace(
-        base,
-        redis_url=private_redis.url,
-        port=0,
-        metrics_port=-1,
-        registration_ttl_s=2.0,
+    settings = host_settings(
+        WorkerSettings,
+        private_redis.url,
         instance_id="embed-bare",
         role="embed",
         model="",

@@ -4,14 +4,12 @@ router on port 0, echo TEST workers as real processes)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
+from inprocess import host_settings
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from omniflow import telemetry
 from omniflow.client import Client
-from omniflow.config import load_settings
 from omniflow.dsl import VType, Workflow, register_operation
 from omniflow.rpc.server import ServiceHost
 from omniflow_services.coordinator.config import CoordinatorSettings
@@ -30,13 +28,6 @@ def _tracing() -> None:
     telemetry.setup_tracing("omniflow-tests", exporter=EXPORTER)
 
 
-def _settings(cls, redis_url: str, **extra):
-    base = load_settings(cls, env={})
-    return dataclasses.replace(
-        base, redis_url=redis_url, port=0, metrics_port=-1, registration_ttl_s=2.0, **extra
-    )
-
-
 async def test_a_run_is_one_trace(launch, redis_proc):
     for name, role in (("llm-0", "llm"), ("echo-0", "echo")):
         launch(
@@ -47,11 +38,11 @@ async def test_a_run_is_one_trace(launch, redis_proc):
         ).wait_ready()
     url = redis_proc.url
     router = ServiceHost(
-        RouterApp(_settings(RouterSettings, url, instance_id="router-0")),
-        _settings(RouterSettings, url, instance_id="router-0"),
+        RouterApp(host_settings(RouterSettings, url, instance_id="router-0")),
+        host_settings(RouterSettings, url, instance_id="router-0"),
     )
     await router.start()
-    coord_settings = _settings(
+    coord_settings = host_settings(
         CoordinatorSettings, url, instance_id="coord-0", router_addr=router.address
     )
     coord = ServiceHost(CoordinatorApp(coord_settings), coord_settings)

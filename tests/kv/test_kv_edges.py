@@ -4,11 +4,11 @@ the generated stubs and the worker client library."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import numpy as np
 import pytest
+from inprocess import eventually
 from kv_helpers import LAYOUT, chain, pages
 
 from omniflow.api.common.v1 import common_pb2
@@ -22,15 +22,6 @@ from omniflow_services.kv_agent.host_tier import HostArena
 from omniflow_services.kv_agent.nixl_channel import nixl_unavailable_reason
 
 NS = LAYOUT.namespace
-
-
-async def _wait(predicate, timeout_s: float, what: str) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if await predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not within {timeout_s}s: {what}")
 
 
 async def _index_stub(cluster):
@@ -157,7 +148,9 @@ async def test_write_through_then_pull_over_grpc_and_read_in_place(kv_cluster):
         assert await producer.put(NS, hashes, data) == 10
         assert await producer.put(NS, hashes, data) == 0  # held already: nothing rewritten
         owner_b = kv_cluster.agent_app("b").owner_id
-        await _wait(lambda: _has(stub, hashes, owner_b, 10), 5, "agent b's pages reach the index")
+        await eventually(
+            lambda: _has(stub, hashes, owner_b, 10), 5, "agent b's pages reach the index"
+        )
         async with KVClient(a.address, kv_cluster.index.address) as consumer:
             plan = await consumer.plan(NS, hashes)
             assert plan.best.kind == SourceKind.REMOTE and plan.best.blocks == 10
@@ -167,7 +160,7 @@ async def test_write_through_then_pull_over_grpc_and_read_in_place(kv_cluster):
                 got.verify()
             # Now local: the next acquire is served by agent a's host tier.
             owner_a = kv_cluster.agent_app("a").owner_id
-            await _wait(lambda: _has(stub, hashes, owner_a, 10), 5, "agent a announces")
+            await eventually(lambda: _has(stub, hashes, owner_a, 10), 5, "agent a announces")
             async with await consumer.acquire(NS, hashes + chain(2, seed=9)) as again:
                 assert again.source.kind == SourceKind.HOST and len(again) == 10
     st = kv_cluster.agent_app("a").stats()
@@ -331,7 +324,7 @@ async def test_ssd_tier_demotion_promotion_and_index_tiers(kv_cluster, tmp_path)
             )
             return any(o.owner_id == owner and o.matched_blocks == 8 for o in reply.owners)
 
-        await _wait(tiers, 5, "host and ssd pages announced")
+        await eventually(tiers, 5, "host and ssd pages announced")
         plan = await client.plan(NS, hashes)
         assert plan.best.kind == SourceKind.SSD  # the slowest tier of the run
         async with await client.acquire(NS, hashes[:4]) as got:
@@ -357,7 +350,7 @@ async def test_agent_connector_serves_the_engine_protocol(kv_cluster):
         owner_b = kv_cluster.agent_app("b").owner_id
         channel, stub = await _index_stub(kv_cluster)
         async with channel:
-            await _wait(lambda: _has(stub, hashes, owner_b, 4), 5, "b announces")
+            await eventually(lambda: _has(stub, hashes, owner_b, 4), 5, "b announces")
         got = await asyncio.to_thread(reader.fetch_pages, LAYOUT, hashes)
         assert got == data[:4]  # the leading run; the rest is the engine's to compute
     finally:

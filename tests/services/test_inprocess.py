@@ -3,18 +3,17 @@ worker, the router's view of workers, and bad arguments getting INVALID_ARGUMENT
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from inprocess import host_settings
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from omniflow import telemetry
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
-from omniflow.config import load_settings
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.server import ServiceHost
 from omniflow_services.coordinator.config import CoordinatorSettings
@@ -32,18 +31,11 @@ def _tracing() -> None:
     telemetry.setup_tracing("omniflow-tests", exporter=EXPORTER)
 
 
-def _settings(cls, redis_url: str, **extra):
-    base = load_settings(cls, env={})
-    return dataclasses.replace(
-        base, redis_url=redis_url, port=0, metrics_port=-1, registration_ttl_s=2.0, **extra
-    )
-
-
 @pytest.fixture
 async def cluster(private_redis, tmp_path) -> AsyncIterator[dict[str, ServiceHost]]:
     hosts: dict[str, ServiceHost] = {}
     url = private_redis.url
-    llm = _settings(
+    llm = host_settings(
         WorkerSettings,
         url,
         instance_id="llm-0",
@@ -55,9 +47,15 @@ async def cluster(private_redis, tmp_path) -> AsyncIterator[dict[str, ServiceHos
     try:
         for name, app in [
             ("llm", WorkerApp(llm)),
-            ("enc", WorkerApp(_settings(WorkerSettings, url, instance_id="enc-0", role="encoder"))),
-            ("router", RouterApp(_settings(RouterSettings, url, instance_id="router-0"))),
-            ("coord", CoordinatorApp(_settings(CoordinatorSettings, url, instance_id="coord-0"))),
+            (
+                "enc",
+                WorkerApp(host_settings(WorkerSettings, url, instance_id="enc-0", role="encoder")),
+            ),
+            ("router", RouterApp(host_settings(RouterSettings, url, instance_id="router-0"))),
+            (
+                "coord",
+                CoordinatorApp(host_settings(CoordinatorSettings, url, instance_id="coord-0")),
+            ),
         ]:
             hosts[name] = ServiceHost(app, app.settings)
             await hosts[name].start()

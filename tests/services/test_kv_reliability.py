@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 import uuid
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from inprocess import eventually
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
@@ -40,15 +40,6 @@ def chain(n: int, seed: int) -> list[bytes]:
 def pages(n: int, seed: int) -> list[bytes]:
     rng = np.random.default_rng(500 + seed)
     return [rng.integers(0, 256, LAYOUT.page_bytes, dtype=np.uint8).tobytes() for _ in range(n)]
-
-
-async def _wait(predicate, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if await predicate():
-            return time.monotonic() - start
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not within {timeout_s}s: {what}")
 
 
 class Topology:
@@ -118,7 +109,7 @@ async def _announced(topo: Topology, name: str, hashes: list[bytes], n: int) -> 
     async def check() -> bool:
         return (await _match(topo.index_address, hashes)).get(owner, (0, 0))[0] == n
 
-    await _wait(check, 10, f"{owner} announces {n} blocks")
+    await eventually(check, 10, f"{owner} announces {n} blocks")
 
 
 @pytest.mark.integration
@@ -147,7 +138,7 @@ async def test_sigkilled_agent_vanishes_within_lease_and_pullers_get_an_error(to
             return topo.agent_id("b") not in await _match(topo.index_address, hashes)
 
         # Nobody released b's lease: only its TTL (plus the poll) removes its blocks.
-        await _wait(gone, LEASE_MS / 1000 + 1.5, "b's blocks leave MatchPrefix")
+        await eventually(gone, LEASE_MS / 1000 + 1.5, "b's blocks leave MatchPrefix")
         async with await consumer.acquire(NS, hashes) as after:
             assert len(after) == 0 and after.source.kind == SourceKind.NONE
 
@@ -200,7 +191,7 @@ async def test_redis_restarted_empty_agents_reannounce_within_10s(topo, private_
                 return False
             return True
 
-        await _wait(complete, 10, "the index is complete again after Redis lost its data")
+        await eventually(complete, 10, "the index is complete again after Redis lost its data")
     finally:
         for proc in topo.procs.values():  # stop them while their Redis still runs
             proc.popen.send_signal(signal.SIGTERM)

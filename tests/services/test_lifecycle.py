@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 
 import pytest
+from inprocess import eventually
 
 from omniflow.discovery import make_registry
 from omniflow.rpc.client import check_health
@@ -29,15 +29,6 @@ async def _listed(redis_url: str, service: str) -> list[str]:
         return [i.instance_id for i in await registry.list(service)]
     finally:
         await registry.close()
-
-
-async def _wait_until(predicate, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if await predicate():
-            return time.monotonic() - start
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not within {timeout_s}s: {what}")
 
 
 @pytest.mark.integration
@@ -71,7 +62,7 @@ async def test_disappears_within_ttl_after_sigkill(spawn, private_redis, module,
         return f"{module}-k" not in await _listed(private_redis.url, service)
 
     # Nobody deregistered it: only the TTL (plus a little slack for the poll) removes it.
-    await _wait_until(gone, TTL_S + 2.0, f"{module}-k leaves discovery after SIGKILL")
+    await eventually(gone, TTL_S + 2.0, f"{module}-k leaves discovery after SIGKILL")
 
 
 @pytest.mark.integration

@@ -3,17 +3,16 @@ against transformers, and the capability the worker advertises for them."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from inprocess import host_settings
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
-from omniflow.config import load_settings
 from omniflow.models.resolve import resolve_model
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.server import ServiceHost
@@ -26,13 +25,9 @@ transformers = pytest.importorskip("transformers", reason="the reference model i
 @pytest.fixture
 async def worker(private_redis, tmp_path: Path) -> AsyncIterator[tuple[ServiceHost, Path]]:
     models = tmp_path / "models"
-    base = load_settings(WorkerSettings, env={})
-    settings = dataclasses.replace(
-        base,
-        redis_url=private_redis.url,
-        port=0,
-        metrics_port=-1,
-        registration_ttl_s=2.0,
+    settings = host_settings(
+        WorkerSettings,
+        private_redis.url,
         instance_id="llm-lp",
         role="llm",
         model="tiny:llama",
