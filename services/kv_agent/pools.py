@@ -24,6 +24,7 @@ from pathlib import Path
 from omniflow.errors import InvalidArgument, NotFound, ResourceExhausted
 from omniflow.kv.arena import DEFAULT_SHM_DIR, HEADER_BYTES, HostArena
 from omniflow.kv.events import BlockEvent, Tier
+from omniflow_services.kv_agent.config import KVAgentSettings
 from omniflow_services.kv_agent.host_tier import HostTier
 from omniflow_services.kv_agent.ssd_tier import SsdFile, SsdTier
 from omniflow_services.kv_agent.tiers import PageHandle, TieredStore
@@ -66,25 +67,22 @@ class _Pin:
 
 
 class Pools:
-    """The pools of one agent, and the pins and reservations of its local clients."""
+    """The pools of one agent, and the pins and reservations of its local clients.
+
+    Each pool's budgets are the agent's settings: a host arena of ``host_bytes``, an SSD
+    file of ``ssd_bytes`` at ``<ssd_path>.<page bytes>``, at most ``max_arenas`` pools."""
 
     def __init__(
         self,
         name: str,
-        host_bytes: int,
-        ssd_path: str = "",
-        ssd_bytes: int = 0,
+        settings: KVAgentSettings,
         *,
         shm_dir: Path = DEFAULT_SHM_DIR,
         on_new_pool: Callable[[PagePool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        max_pools: int = 0,
     ) -> None:
         self.name = safe_name(name)
-        self.max_pools = max_pools  # 0: no bound
-        self.host_bytes = host_bytes
-        self.ssd_path = ssd_path
-        self.ssd_bytes = ssd_bytes
+        self.settings = settings
         self.shm_dir = shm_dir
         self.on_new_pool = on_new_pool
         self._clock = clock
@@ -97,9 +95,9 @@ class Pools:
 
     def recover_ssd(self) -> list[PagePool]:
         """Open the SSD files a previous run left (``<ssd path>.<page bytes>``)."""
-        if not self.ssd_path:
+        if not self.settings.ssd_path:
             return []
-        base = Path(self.ssd_path)
+        base = Path(self.settings.ssd_path)
         found = []
         for path in sorted(base.parent.glob(base.name + ".*")):
             suffix = path.name[len(base.name) + 1 :]
@@ -113,7 +111,7 @@ class Pools:
             pool = self._pools.get(page_bytes)
             if pool is not None:
                 return pool
-            if self.max_pools and len(self._pools) >= self.max_pools:
+            if len(self._pools) >= self.settings.max_arenas:
                 # Each page size costs a whole host arena: a bound on what callers can make.
                 sizes = ", ".join(str(b) for b in sorted(self._pools))
                 raise ResourceExhausted(
@@ -130,21 +128,22 @@ class Pools:
     def _make(self, page_bytes: int) -> PagePool:
         if page_bytes <= 0:
             raise InvalidArgument(f"page_bytes must be > 0, got {page_bytes}")
-        slots = self.host_bytes // page_bytes
+        s = self.settings
+        slots = s.host_bytes // page_bytes
         if slots < 1:
             raise ResourceExhausted(
-                f"the host tier ({self.host_bytes} bytes) cannot hold one page of {page_bytes} "
+                f"the host tier ({s.host_bytes} bytes) cannot hold one page of {page_bytes} "
                 "bytes; raise OMNIFLOW_KV_HOST_BYTES"
             )
         shm_name = f"{self.name}-{page_bytes}"
         arena = HostArena.create(shm_name, page_bytes, slots, self.shm_dir)
         ssd = None
         try:
-            if self.ssd_path:
+            if s.ssd_path:
                 stride = (page_bytes + _SSD_ALIGN - 1) // _SSD_ALIGN * _SSD_ALIGN
-                num_pages = self.ssd_bytes // stride
+                num_pages = s.ssd_bytes // stride
                 if num_pages >= 1:
-                    path = Path(f"{self.ssd_path}.{page_bytes}")
+                    path = Path(f"{s.ssd_path}.{page_bytes}")
                     ssd = SsdTier(SsdFile.open(path, page_bytes, num_pages))
             store = TieredStore(HostTier(arena), ssd)
         except BaseException:

@@ -436,13 +436,7 @@ class KVAgentApp(ServiceApp):
                 self.grants = grants.NixlGrants(self.nixl)
             else:
                 log.info("NIXL channel off: %s", reason)
-        self._pools = Pools(
-            self.shm_prefix(runtime.instance_id),
-            s.host_bytes,
-            s.ssd_path,
-            s.ssd_bytes,
-            max_pools=s.max_arenas,
-        )
+        self._pools = Pools(self.shm_prefix(runtime.instance_id), s)
         recovered = await asyncio.to_thread(self._pools.recover_ssd)
         for pool in recovered:
             log.info(
