@@ -129,6 +129,64 @@ def test_write_kv_places_rows_like_index_copy() -> None:
     assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
 
 
+gemv = pytest.mark.skipif(
+    not kernels.ops().small_linear_supported(), reason="this CPU has no AVX512-BF16"
+)
+
+
+@gemv
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_small_linear_equals_linear_to_bfloat16_rounding(rows: int) -> None:
+    """The GEMV against float64 and against ``F.linear`` in bfloat16 (oneDNN): one rounding of a
+    float32 sum to bfloat16, so within bfloat16's half step of the exact result (plus float32
+    accumulation error); shapes with tails (K not a multiple of 32, N of 16), with a bias."""
+    g = torch.Generator().manual_seed(10 + rows)
+    for n, k, bias in [(960, 576, False), (576, 1536, True), (37, 50, True), (5, 17, False)]:
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+        got = kernels.ops().small_linear(x, w, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+        bound = exact.abs() * 2**-8 + 1e-5 * k
+        assert bool(((got.double() - exact).abs() <= bound).all())
+        torch.testing.assert_close(got, F.linear(x, w, b), atol=2e-2, rtol=2**-7)
+
+
+@gemv
+def test_small_linear_split_over_threads_gives_the_same_bits() -> None:
+    g = torch.Generator().manual_seed(20)
+    x = torch.randn(3, 576, generator=g).to(torch.bfloat16)
+    w = torch.randn(4099, 576, generator=g).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.ops().small_linear(x, w, None)
+        torch.set_num_threads(2)
+        two = kernels.ops().small_linear(x, w, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    # A strided view of the rows (the logits' rows of a batch) reads the same as a copy.
+    wide = torch.randn(3, 1000, generator=g).to(torch.bfloat16)
+    wide[:, :576] = x
+    assert torch.equal(kernels.ops().small_linear(wide[:, :576], w, None), one)
+
+
+@gemv
+def test_small_linear_refuses_bad_input() -> None:
+    ops = kernels.ops()
+    w = torch.zeros(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"outside 1\.\.8"):
+        ops.small_linear(torch.zeros(9, 64, dtype=torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="takes bfloat16"):
+        ops.small_linear(torch.zeros(1, 64), w.float(), None)
+    with pytest.raises(RuntimeError, match="contiguous w"):
+        ops.small_linear(torch.zeros(1, 32, dtype=torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.small_linear(torch.zeros(1, 64, dtype=torch.bfloat16), w, torch.zeros(15))
+
+
 def test_bad_input_is_refused_with_an_error() -> None:
     ops = kernels.ops()
     cache = torch.zeros(2, 4, 16, 32)
@@ -181,6 +239,8 @@ def test_engine_with_kernels_matches_transformers_in_bfloat16(tiny_factory) -> N
     for kind in ("native", "torch"):
         engine = tiny.engine(dtype="bfloat16", kernels=kind, max_num_batched_tokens=32)
         assert engine.model.fused == (kind == "native")
+        gemv_here = engine.model.prepacked and kernels.ops().small_linear_supported()
+        assert engine.model.gemv == (kind == "native" and gemv_here)
         res = run_all(engine, reqs)
         for i, p in enumerate(prompts):
             got = res[f"r{i}"]

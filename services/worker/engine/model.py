@@ -42,18 +42,27 @@ class LayerWeights:
 
 
 class PackedLinear:
-    """``x @ w.T + b`` through oneDNN with ``w`` reordered once into its blocked layout."""
+    """``x @ w.T + b`` through oneDNN with ``w`` reordered once into its blocked layout; with
+    ``gemv``, batches of up to ``GEMV_ROWS`` rows go through the kernels' ``small_linear``
+    instead (an AVX512-BF16 GEMV straight over ``w``'s rows: a decode step is bound by
+    streaming the weights, which oneDNN's AMX tiles, 16 rows tall, do at half the speed)."""
 
-    __slots__ = ("bias", "packed")
+    __slots__ = ("bias", "packed", "rows")
 
     # The reorder's batch-size hint; measured on par with exact-size packing from 1 to 2048.
     BATCH_HINT = 2048
+    # small_linear's largest batch (kernels.cpp kGemvRows); one core, a decode step's
+    # linears: 1.9-2.1x oneDNN's time at 1 to 8 rows (bench/kernels.py --cases linears).
+    GEMV_ROWS = 8
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv: bool = False) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
         self.bias = bias
+        self.rows = weight if gemv else None  # the [N, K] rows small_linear reads
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None and 0 < x.shape[0] <= self.GEMV_ROWS and x.stride(-1) == 1:
+            return kernels.ops().small_linear(x, self.rows, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -75,9 +84,11 @@ def onednn_usable(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> Linear:
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, gemv: bool = False
+) -> Linear:
     if packed:
-        return PackedLinear(weight.contiguous(), bias)
+        return PackedLinear(weight.contiguous(), bias, gemv)
     return partial(F.linear, weight=weight, bias=bias)
 
 
@@ -275,18 +286,21 @@ class DecoderModel:
         self.scale = cfg.head_dim**-0.5
         self.prepacked = onednn_usable(self.dtype, self.device) if prepack is None else prepack
         pk = self.prepacked
+        # The fused CPU kernels ("auto": where they apply and build; "torch": never).
+        self.fused = kernels.wanted(fused, self.dtype, self.device) and cfg.head_dim % 16 == 0
+        # Small batches of the prepacked bfloat16 linears through the kernels' GEMV.
+        self.gemv = pk and self.fused and bool(kernels.ops().small_linear_supported())
+        gv = self.gemv
         self.linears = [
             LayerLinears(
-                qkv=make_linear(lw.qkv_w, lw.qkv_b, pk),
-                o=make_linear(lw.o_w, None, pk),
-                gate_up=make_linear(lw.gate_up_w, None, pk),
-                down=make_linear(lw.down_w, None, pk),
+                qkv=make_linear(lw.qkv_w, lw.qkv_b, pk, gv),
+                o=make_linear(lw.o_w, None, pk, gv),
+                gate_up=make_linear(lw.gate_up_w, None, pk, gv),
+                down=make_linear(lw.down_w, None, pk, gv),
             )
             for lw in layers
         ]
-        self.lm = make_linear(lm_head, None, pk)
-        # The fused CPU kernels ("auto": where they apply and build; "torch": never).
-        self.fused = kernels.wanted(fused, self.dtype, self.device) and cfg.head_dim % 16 == 0
+        self.lm = make_linear(lm_head, None, pk, gv)
         # Set by the engine (it knows the page size and the memory budget).
         self.decode_kv: DecodeKV | None = None
         # Decode attention with grouped query heads as rows of their KV head: measured
