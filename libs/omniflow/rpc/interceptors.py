@@ -163,24 +163,24 @@ def _wrap_handler(
     guard = _Guard(security, method) if security is not None else None
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(
-            _wrap_unary(handler.unary_unary, method, short, False, guard, gate),
+            _wrap(handler.unary_unary, method, short, False, guard, gate),
             parse,
             handler.response_serializer,
         )
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(
-            _wrap_unary(handler.stream_unary, method, short, True, guard, gate),
+            _wrap(handler.stream_unary, method, short, True, guard, gate),
             parse,
             handler.response_serializer,
         )
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
-            _wrap_stream(handler.unary_stream, method, short, False, guard, gate),
+            _wrap(handler.unary_stream, method, short, False, guard, gate),
             parse,
             handler.response_serializer,
         )
     return grpc.stream_stream_rpc_method_handler(
-        _wrap_stream(handler.stream_stream, method, short, True, guard, gate),
+        _wrap(handler.stream_stream, method, short, True, guard, gate),
         parse,
         handler.response_serializer,
     )
@@ -311,6 +311,36 @@ async def _fail(
     await context.abort(code, message)
 
 
+class _Served:
+    """One call a handler serves, unary or streaming alike: its span, trace context and
+    deadline entered; any error (not a cancel, not an abort already made) turned into the
+    call's status by ``_fail``; left and counted when it ends, however it ends."""
+
+    __slots__ = ("context", "dl_token", "metadata", "short", "span", "started", "stats", "token")
+
+    def __init__(
+        self, context: grpc.aio.ServicerContext, method: str, short: str, stats: _MethodStats
+    ) -> None:
+        self.started = time.perf_counter()
+        self.context, self.short, self.stats = context, short, stats
+        self.metadata = context.invocation_metadata() or ()
+        self.span, self.token, self.dl_token = _enter(context, method, self.metadata)
+
+    async def __aenter__(self) -> _Served:
+        return self
+
+    async def __aexit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        try:
+            # CancelledError is no Exception; an AbortError is the status already made.
+            if isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
+                await _fail(self.context, self.span, exc, self.short)  # raises the abort
+                return True
+        finally:
+            _leave(self.span, self.token, self.dl_token)
+            self.stats.count(self.context, self.started)
+        return False
+
+
 def _admitted(
     request: Any,
     context: grpc.aio.ServicerContext,
@@ -333,7 +363,7 @@ def _admitted(
     return request
 
 
-def _wrap_unary(
+def _wrap(
     behavior: Callable[..., Any],
     method: str,
     short: str,
@@ -341,55 +371,25 @@ def _wrap_unary(
     guard: _Guard | None = None,
     gate: ServingGate | None = None,
 ) -> Callable[..., Any]:
+    """``behavior`` served through ``_Served`` and ``_admitted``: an async generator (a
+    streaming response) as an async generator; a coroutine (a unary response, or a stream
+    written with ``context.write()``) as a coroutine."""
     stats = _MethodStats(method)
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with _Served(context, method, short, stats) as call:
+                request = _admitted(request, context, call.metadata, short, streamed, guard, gate)
+                async for item in behavior(request, context):
+                    yield item
+
+        return stream
 
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        started = time.perf_counter()
-        metadata = context.invocation_metadata() or ()
-        span, token, dl_token = _enter(context, method, metadata)
-        try:
-            request = _admitted(request, context, metadata, short, streamed, guard, gate)
+        async with _Served(context, method, short, stats) as call:
+            request = _admitted(request, context, call.metadata, short, streamed, guard, gate)
             return await behavior(request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as exc:  # every error becomes a status
-            await _fail(context, span, exc, short)
-        finally:
-            _leave(span, token, dl_token)
-            stats.count(context, started)
-
-    return handle
-
-
-def _wrap_stream(
-    behavior: Callable[..., Any],
-    method: str,
-    short: str,
-    streamed: bool,
-    guard: _Guard | None = None,
-    gate: ServingGate | None = None,
-) -> Callable[..., Any]:
-    if not inspect.isasyncgenfunction(behavior):
-        # A handler that writes with context.write() is a plain coroutine.
-        return _wrap_unary(behavior, method, short, streamed, guard, gate)
-
-    stats = _MethodStats(method)
-
-    async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        started = time.perf_counter()
-        metadata = context.invocation_metadata() or ()
-        span, token, dl_token = _enter(context, method, metadata)
-        try:
-            request = _admitted(request, context, metadata, short, streamed, guard, gate)
-            async for item in behavior(request, context):
-                yield item
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as exc:
-            await _fail(context, span, exc, short)
-        finally:
-            _leave(span, token, dl_token)
-            stats.count(context, started)
 
     return handle
 
