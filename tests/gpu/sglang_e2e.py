@@ -7,8 +7,9 @@ tiny Qwen2 made by ``make_tiny``), then through the worker API:
 1. worker A streams a greedy reply to a long prompt; the reply is checked (tokens, text,
    finish reason, usage) and a repeat is identical with cached tokens (SGLang's radix cache);
 2. SGLang's own ``get_hash_str`` chain equals ``sglang_page_keys`` (the key mapping);
-3. the prompt's pages reached the kv-agent through the HiCache backend: the agent holds the
-   leading block hashes worker A reported (``LocatePages`` in A's namespace);
+3. worker A reports the chain's block hashes of the prompt, and its pages reached the
+   kv-agent through the HiCache backend under them (SGLang's keys mapped by the worker's
+   key table): the agent holds the hashes A reported (``LocatePages`` in A's namespace);
 4. worker B, which never saw the prompt, serves it with cached tokens loaded from the agent
    (HiCache prefetch from the storage tier) and the same greedy reply.
 
@@ -34,6 +35,7 @@ import grpc
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.kvagent.v1 import kvagent_pb2, kvagent_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from omniflow.kv.blocks import block_hashes
 from omniflow.localredis import find_redis_server, start_redis
 from omniflow.models.tiny import make_tiny
 from omniflow_services.worker.sglang.pages import sglang_page_keys
@@ -221,6 +223,12 @@ async def run(args: argparse.Namespace, tmp: Path, procs: Procs) -> None:
             return
         check_key_chain(ids, 16)
         hashes = r1["hashes"]
+        chain = block_hashes(bytes.fromhex(ia.kv_namespace), ids, 16)
+        note(
+            "chain names",
+            hashes == chain,
+            "the prompt's pages are named by the chain's block hashes (sglang.pages.KeyTable)",
+        )
         held, tiers = 0, {}
         for _ in range(60):  # write-through to storage runs in SGLang's backup thread
             held, tiers = await agent_holds(agent, ia.kv_namespace, hashes)

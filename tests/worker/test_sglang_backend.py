@@ -33,7 +33,10 @@ from omniflow_services.worker.engine import SamplingParams
 from omniflow_services.worker.sglang.backend import (
     SGLangConfig,
     StreamDecoder,
+    close_key_tables,
     expected_layout,
+    open_key_tables,
+    rank_layouts,
     sampling_to_sglang,
 )
 from omniflow_services.worker.sglang.hicache import (
@@ -45,8 +48,10 @@ from omniflow_services.worker.sglang.pages import (
     HOST_LAYOUTS,
     HostPageFormat,
     KeyMapper,
+    PageNames,
     batched,
     host_format_of,
+    key_table_path,
     leading_run,
     namespace_model_id,
     sglang_page_keys,
@@ -291,10 +296,10 @@ def test_engine_kwargs_plug_the_storage_backend_in() -> None:
     assert "enable_hierarchical_cache" not in SGLangConfig().engine_kwargs(Path("/m"), "m")
 
 
-def test_expected_layout_matches_the_backends_namespace() -> None:
+def _tiny_qwen2() -> Any:
     from omniflow_services.worker.llm.model_folder import ModelConfig
 
-    cfg = ModelConfig.from_dict(
+    return ModelConfig.from_dict(
         {
             "model_type": "qwen2",
             "vocab_size": 100,
@@ -306,9 +311,30 @@ def test_expected_layout_matches_the_backends_namespace() -> None:
             "max_position_embeddings": 256,
         }
     )
-    layout = expected_layout(cfg, SGLangConfig(dtype="bfloat16"), "tiny")
+
+
+def test_expected_layout_matches_the_backends_namespace() -> None:
+    layout = expected_layout(_tiny_qwen2(), SGLangConfig(dtype="bfloat16"), "tiny")
     pool = LayerFirstHostPool(layer_num=3, head_num=2, head_dim=16, page_size=16, size=64)
     assert host_format_of(pool).kv_layout("tiny") == layout
+
+
+def test_the_worker_writes_one_table_per_ranks_namespace() -> None:
+    layouts = rank_layouts(_tiny_qwen2(), SGLangConfig(dtype="bfloat16", tp_size=2), "tiny")
+    assert [ly.model_id for ly in layouts] == [namespace_model_id("tiny", r, 2) for r in (0, 1)]
+    assert all(ly.num_kv_heads == 1 for ly in layouts)
+    tables = open_key_tables(layouts)
+    folder = tables[0].path.parent
+    try:
+        for ly, t in zip(layouts, tables, strict=True):
+            assert t.path == key_table_path(folder, ly.namespace) and t.namespace == ly.namespace
+        kw = SGLangConfig(agent_address="127.0.0.1:1", key_tables=str(folder)).engine_kwargs(
+            Path("/m"), "m"
+        )
+        assert json.loads(kw["hicache_storage_backend_extra_config"])["key_tables"] == str(folder)
+    finally:
+        close_key_tables(tables)
+    assert not folder.exists()
 
 
 # --- selecting the engine without SGLang ---------------------------------------------------
@@ -498,3 +524,28 @@ def test_the_class_is_a_hicache_storage_when_sglang_is_installed() -> None:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
     assert issubclass(OmniflowHiCacheStorage, HiCacheStorage)
+
+
+def test_pages_stored_by_sglang_keys_carry_the_chains_names(data_plane: DataPlane) -> None:
+    """With the worker's key table, a page SGLang stores under its key lies in the agent
+    under the block hash the built-in engine and the gateway give the same tokens."""
+    tokens = list(range(7000, 7000 + 3 * T))
+    probe = _backend(data_plane, "layer_first")  # no table: the key-derived names
+    assert probe.store is not None
+    layout = probe.store.layout
+    tables = open_key_tables([layout])
+    PageNames(tables[0], T).extend(tokens)
+    folder = str(tables[0].path.parent)
+    writer = _backend(data_plane, "page_first", key_tables=folder)
+    reader = _backend(data_plane, "page_head", key_tables=folder)
+    try:
+        keys = sglang_page_keys(tokens, T)
+        assert writer.batch_set(keys, _pages(3, seed=9, layout="page_first"))
+        chain = block_hashes(layout.namespace, tokens, T)
+        assert probe.store.exists(chain) == 3  # named by the chain, found by it
+        assert probe.batch_exists(keys) == 0  # not under the key-derived names
+        assert reader.batch_exists(keys) == 3 and all(p is not None for p in reader.batch_get(keys))
+    finally:
+        for b in (writer, reader, probe):
+            b.close()
+        close_key_tables(tables)

@@ -23,11 +23,14 @@ SGLang API read (sgl-project/sglang main, Nov 2026; sglang 0.5.23 on PyPI):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import inspect
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,13 +39,20 @@ from omniflow.errors import FailedPrecondition, Unimplemented
 from omniflow.finish import engine_finish
 from omniflow.kv.blocks import KVLayout
 from omniflow.sampling import SamplingParams
+from omniflow.security.kvsalt import salted_extra_keys
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.llm.backends import BackendRole
 from omniflow_services.worker.llm.connector import find_data_plane
 from omniflow_services.worker.llm.model_folder import ModelConfig, folder_tokenizer
 from omniflow_services.worker.llm.types import EngineLoad, RequestOutput, Usage
 from omniflow_services.worker.sglang.hicache import extra_config
-from omniflow_services.worker.sglang.pages import HostPageFormat, KeyMapper
+from omniflow_services.worker.sglang.pages import (
+    HostPageFormat,
+    KeyTable,
+    PageNames,
+    key_table_path,
+    namespace_model_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +152,7 @@ class SGLangConfig:
     hicache_ratio: float = 2.0
     hicache_mem_layout: str = ""  # empty: SGLang's default
     hicache_write_policy: str = "write_through"
+    key_tables: str = ""  # the folder of the KeyTables the worker writes (sglang.pages)
     extra: dict[str, Any] = field(default_factory=dict)  # more ServerArgs fields
 
     def engine_kwargs(self, model_dir: Path, model_id: str) -> dict[str, Any]:
@@ -160,7 +171,12 @@ class SGLangConfig:
                 "hicache_write_policy": self.hicache_write_policy,
                 "hicache_storage_backend": "dynamic",
                 "hicache_storage_backend_extra_config": json.dumps(
-                    extra_config(self.agent_address, self.index_address, model_id)
+                    extra_config(
+                        self.agent_address,
+                        self.index_address,
+                        model_id,
+                        key_tables=self.key_tables,
+                    )
                 ),
             }
             if self.hicache_mem_layout:
@@ -171,11 +187,19 @@ class SGLangConfig:
 class SGLangEngine:
     """The parts of our ``Engine`` the worker uses, over an ``sglang.Engine``."""
 
-    def __init__(self, engine: Any, layout: KVLayout, tokenizer: Any, cfg: ModelConfig) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        layout: KVLayout,
+        tokenizer: Any,
+        cfg: ModelConfig,
+        tables: list[KeyTable] | None = None,
+    ) -> None:
         self.sgl = engine
         self.layout = layout
         self.tokenizer = tokenizer
         self.model_config = cfg
+        self.tables = tables or []  # one per rank's namespace; written by this worker
         self.active: dict[str, StreamDecoder] = {}
         self.total_pages = 0
         try:
@@ -197,6 +221,8 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         self.sgl.shutdown()
+        close_key_tables(self.tables)
+        self.tables = []
 
 
 class SGLangRole(BackendRole):
@@ -206,7 +232,6 @@ class SGLangRole(BackendRole):
 
     def __init__(self, engine: SGLangEngine, model_dir: Path) -> None:
         super().__init__(engine, model_dir)  # type: ignore[arg-type]
-        self.keys = KeyMapper(engine.layout.namespace)
         self._pass_rid = "rid" in inspect.signature(engine.sgl.async_generate).parameters
 
     @classmethod
@@ -217,15 +242,30 @@ class SGLangRole(BackendRole):
         cfg = ModelConfig.from_folder(model_dir)
         # The built-in engine's default model id: the resolved folder's name.
         model_id = config.model_id or (await asyncio.to_thread(Path(model_dir).resolve)).name
-        layout = expected_layout(cfg, config, model_id)
-        # In the event loop's thread on purpose: SGLang installs signal handlers, which only
-        # the main thread may do. Health stays NOT_SERVING meanwhile.
-        engine = sglang.Engine(**config.engine_kwargs(model_dir, model_id))
-        return cls(SGLangEngine(engine, layout, folder_tokenizer(model_dir), cfg), model_dir)
+        layouts = rank_layouts(cfg, config, model_id)
+        tables: list[KeyTable] = []
+        if config.agent_address:  # pages named as the other engines name them
+            tables = open_key_tables(layouts)
+            config = dataclasses.replace(config, key_tables=str(tables[0].path.parent))
+        try:
+            # In the event loop's thread on purpose: SGLang installs signal handlers, which
+            # only the main thread may do. Health stays NOT_SERVING meanwhile.
+            engine = sglang.Engine(**config.engine_kwargs(model_dir, model_id))
+        except BaseException:
+            close_key_tables(tables)
+            raise
+        tok = folder_tokenizer(model_dir)
+        return cls(SGLangEngine(engine, layouts[0], tok, cfg, tables), model_dir)
 
-    def prompt_hashes(self, ids: Sequence[int]) -> list[bytes]:
-        """The block hashes the prompt's pages get in the kv-agents (see ``sglang.pages``)."""
-        return self.keys.prompt_hashes(ids, self.engine.layout.page_size)
+    # prompt_hashes: LLMRole's, the chain's block hashes, which the KeyTables give the
+    # pages SGLang stores (a salted tenant's request: pages SGLang keeps to itself).
+
+    def page_names(self) -> list[PageNames]:
+        """Recorders of this request's page names (none for a salted tenant's request:
+        SGLang's keys carry no tenant, so the table must not give them a tenant's name)."""
+        if salted_extra_keys(None) is not None:
+            return []
+        return [PageNames(t, self.engine.layout.page_size) for t in self.engine.tables]
 
     async def generate(  # type: ignore[override]
         self, request_id: str, ids: list[int], params: SamplingParams
@@ -237,6 +277,9 @@ class SGLangRole(BackendRole):
                 "apply structured output; serve the model with the built-in or vLLM engine"
             )
         dec = StreamDecoder(request_id)
+        names, seq = self.page_names(), list(ids)
+        for n in names:  # before SGLang can store or look up any page of the prompt
+            n.extend(seq)
         kwargs: dict[str, Any] = {
             "input_ids": ids,
             "sampling_params": sampling_to_sglang(params),
@@ -249,7 +292,12 @@ class SGLangRole(BackendRole):
         try:
             stream = await self.engine.sgl.async_generate(**kwargs)
             async for item in stream:
-                yield dec.feed(item)
+                out = dec.feed(item)
+                if names and out.new_token_ids:  # generated pages, before SGLang backs them up
+                    seq.extend(out.new_token_ids)
+                    for n in names:
+                        n.extend(seq)
+                yield out
                 if dec.finished:
                     break
         finally:
@@ -258,14 +306,38 @@ class SGLangRole(BackendRole):
                 self.engine.sgl.tokenizer_manager.abort_request(dec.sglang_id)
 
 
-def expected_layout(cfg: ModelConfig, config: SGLangConfig, model_id: str) -> KVLayout:
-    """The namespace layout SGLang's pages get (rank 0's when tensor-parallel)."""
+def rank_layouts(cfg: ModelConfig, config: SGLangConfig, model_id: str) -> list[KVLayout]:
+    """The namespace layout of each tensor-parallel rank's pages (one on one GPU)."""
     heads = max(1, cfg.num_kv_heads // config.tp_size)
     fmt = HostPageFormat(
         "layer_first", cfg.num_layers, heads, config.page_size, cfg.head_dim, config.dtype
     )
-    rank_id = model_id if config.tp_size <= 1 else f"{model_id}@tp0of{config.tp_size}"
-    return fmt.kv_layout(rank_id)
+    tp = max(1, config.tp_size)
+    return [fmt.kv_layout(namespace_model_id(model_id, r, tp)) for r in range(tp)]
+
+
+def expected_layout(cfg: ModelConfig, config: SGLangConfig, model_id: str) -> KVLayout:
+    """The namespace layout SGLang's pages get (rank 0's when tensor-parallel)."""
+    return rank_layouts(cfg, config, model_id)[0]
+
+
+def open_key_tables(layouts: list[KVLayout]) -> list[KeyTable]:
+    """A new folder (in shared memory where there is one) with a ``KeyTable`` per layout."""
+    shm = Path("/dev/shm")
+    folder = Path(
+        tempfile.mkdtemp(prefix="omniflow-sglang-keys-", dir=shm if shm.is_dir() else None)
+    )
+    return [
+        KeyTable(key_table_path(folder, ly.namespace), namespace=ly.namespace) for ly in layouts
+    ]
+
+
+def close_key_tables(tables: list[KeyTable]) -> None:
+    """Close and remove the tables ``open_key_tables`` made, and their folder."""
+    for t in tables:
+        t.close(unlink=True)
+    if tables:
+        shutil.rmtree(tables[0].path.parent, ignore_errors=True)
 
 
 def require_sglang() -> None:

@@ -44,7 +44,9 @@ from omniflow.kv.blocking import AgentPageStore, agent_settings
 from omniflow_services.worker.sglang.pages import (
     HostPageFormat,
     KeyMapper,
+    KeyTable,
     host_format_of,
+    key_table_path,
     namespace_model_id,
 )
 
@@ -73,6 +75,7 @@ class BackendConfig:
     timeout_s: float = 10.0
     zero_copy: bool = True
     max_batch: int = 256
+    key_tables: str = ""  # the worker's folder of KeyTable files (empty: none)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> BackendConfig:
@@ -92,6 +95,7 @@ class BackendConfig:
             timeout_s=timeout,
             zero_copy=bool(extra.get("zero_copy", True)),
             max_batch=max_batch,
+            key_tables=str(extra.get("key_tables", "")),
         )
 
 
@@ -102,8 +106,10 @@ def extra_config(
     *,
     interface_v1: bool = True,
     timeout_s: float = 10.0,
+    key_tables: str = "",
 ) -> dict[str, Any]:
-    """The extra config that makes SGLang load this backend (JSON-encode it for SGLang)."""
+    """The extra config that makes SGLang load this backend (JSON-encode it for SGLang);
+    ``key_tables``: the folder where the worker writes the ``KeyTable`` of each namespace."""
     return {
         "backend_name": BACKEND_NAME,
         "module_path": MODULE_PATH,
@@ -113,6 +119,7 @@ def extra_config(
         "model_id": model_id,
         "timeout_s": timeout_s,
         "interface_v1": 1 if interface_v1 else 0,
+        "key_tables": key_tables,
     }
 
 
@@ -148,8 +155,7 @@ class OmniflowHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     def open(self, fmt: HostPageFormat) -> None:
         """Connect for pages of ``fmt`` (also usable without SGLang, e.g. from tests)."""
-        if self.store is not None:
-            self.store.close()
+        self.close()
         layout = fmt.kv_layout(self.model_id)
         store = AgentPageStore(
             self.config.agent_address,
@@ -160,7 +166,8 @@ class OmniflowHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             max_batch=self.config.max_batch,
         )
         store.register()
-        self.format, self.store, self.keys = fmt, store, KeyMapper(layout.namespace)
+        self.format, self.store = fmt, store
+        self.keys = KeyMapper(layout.namespace, self._key_table(layout.namespace))
         log.info(
             "omniflow HiCache: namespace %s (%s, %s pages of %d bytes) at %s",
             layout.namespace_hex,
@@ -170,10 +177,24 @@ class OmniflowHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             self.config.agent_address,
         )
 
+    def _key_table(self, namespace: bytes) -> KeyTable | None:
+        """The worker's table of this namespace's page names, when it writes one."""
+        if not self.config.key_tables:
+            return None
+        path = key_table_path(self.config.key_tables, namespace)
+        try:
+            return KeyTable(path)
+        except (OSError, InvalidArgument) as exc:  # pages keep their key-derived names
+            log.warning("omniflow HiCache: no key table at %s (%s)", path, exc)
+            return None
+
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
             self.store = None
+        if self.keys is not None and self.keys.table is not None:
+            self.keys.table.close()
+        self.keys = None
 
     def _ready(self) -> tuple[HostPageFormat, AgentPageStore, KeyMapper]:
         if self.format is None or self.store is None or self.keys is None:

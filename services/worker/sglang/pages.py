@@ -6,17 +6,21 @@ Keys. SGLang names a HiCache page by a string: ``get_hash_str`` chains
 ``sha256(prior page's digest ‖ tokens as little-endian u32)`` and passes the hex digest
 (64 characters) to the storage backend, one key per page (sglang 0.5.x,
 ``python/sglang/srt/mem_cache/hicache_storage.py`` / ``utils.py``; requests without
-``extra_key``/``cache_salt``). The Data Flow layer names a page by a 16-byte block hash in a
-namespace (DESIGN.md §4.1). SGLang hands its storage backend only those keys (never the
-token ids), so ``KeyMapper`` derives the block hash from the key with the chain's own page
-hash (``omniflow.kv.blocks.hash_page``, the step ``extend_chain`` repeats): the first page
-of a chain in the namespace, holding no tokens, with ``"omniflow-sglang-key-v2" ‖ key`` as
-its extra key (SGLang's key already commits to every earlier page). The result is deterministic, so
-every SGLang worker of the same model and layout finds the pages any other one stored; it
-never equals a built-in engine block hash (those hash tokens, not SGLang keys), so the two
-engines share the cache infrastructure, not individual pages. ``sglang_page_keys`` computes
-SGLang's keys from token ids, so the worker can report the block hashes its prompt will
-have in the index (kv-aware routing) without asking SGLang.
+``extra_key``/``cache_salt``, and without ``SGLANG_USE_XXH3_HASH``). The Data Flow layer
+names a page by a 16-byte block hash in a namespace (DESIGN.md §4.1). SGLang hands its
+storage backend only those keys, never the token ids, and runs it in its scheduler
+process; the worker, in its own process, sees every request's tokens. So the worker names
+each full page both ways as its tokens arrive (``PageNames``: ``sglang_page_keys`` beside
+the chain's ``extend_chain``, the prompt before SGLang gets it, generated pages as they
+stream) and writes key → block hash into a ``KeyTable`` file that the backend reads
+(``KeyMapper``): a page SGLang stores is then named by the same block hash the built-in
+and vLLM engines, the gateway and the router give it, so same-layout engines share it and
+kv-aware routing sees it. A key the table does not hold (overwritten, a tenant's salted
+request, whose pages the table never names, SGLang's xxh3 keys, the table not there)
+keeps the older name, derived from the key with the chain's page hash
+(``omniflow.kv.blocks.hash_page``: the first page of a chain in the namespace, no tokens,
+``"omniflow-sglang-key-v2" ‖ key`` as its extra key): deterministic, so SGLang workers of
+one model still share such pages, and never a built-in engine block hash.
 
 Byte order. SGLang's host pool hands out a page as one flat tensor whose element order
 depends on ``--hicache-mem-layout`` (``MHATokenToKVPoolHost.init_kv_buffer``):
@@ -37,15 +41,20 @@ head_dim); ``HostPageFormat`` permutes between the two.
 from __future__ import annotations
 
 import hashlib
+import mmap
+import struct
+import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 import torch
+import xxhash
 
 from omniflow.errors import InvalidArgument
-from omniflow.kv.blocks import HASH_BYTES, ROOT_PARENT, KVLayout, hash_page
+from omniflow.kv.blocks import HASH_BYTES, ROOT_PARENT, KVLayout, extend_chain, hash_page
 
 _T = TypeVar("_T")
 
@@ -95,11 +104,97 @@ def sglang_page_keys(tokens: Sequence[int], page_size: int, prior: str = "") -> 
     return keys
 
 
+_TABLE_MAGIC = b"OFSGKEY1"
+_HEADER = struct.Struct("<8sI4x16s")  # magic, slots, namespace
+_SLOT = struct.Struct("<32s16s8s")  # SGLang key (sha256), block hash, xxh3_64 of the two
+KEY_TABLE_SLOTS = 1 << 16  # 3.5 MiB: the pages of the last ~1M tokens a worker saw
+
+
+class KeyTable:
+    """SGLang page keys → the chain's block hashes of the same pages, in one file.
+
+    The worker (which knows a request's tokens) writes; SGLang's scheduler processes (whose
+    storage backend gets only keys) read, each through its own mapping of the file. One
+    slot per key, direct-mapped by the key's first bytes: a newer key overwrites an older
+    one, whose page then falls back to ``KeyMapper``'s key-derived name (a miss, never a
+    wrong page). Each slot carries a checksum of its key and hash, so a slot read while
+    the writer rewrites it is a miss too."""
+
+    def __init__(self, path: Path, *, namespace: bytes | None = None, slots: int = 0) -> None:
+        """Open ``path``; with ``namespace``, create it (``slots`` slots, or the default)."""
+        self.path = Path(path)
+        if namespace is not None:
+            if len(namespace) != HASH_BYTES:
+                raise InvalidArgument(f"namespace must be {HASH_BYTES} bytes")
+            slots = slots or KEY_TABLE_SLOTS
+            with open(self.path, "wb") as f:
+                f.write(_HEADER.pack(_TABLE_MAGIC, slots, namespace))
+                f.truncate(_HEADER.size + slots * _SLOT.size)
+        with open(self.path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), 0)
+        magic, self.slots, self.namespace = _HEADER.unpack_from(self._map, 0)
+        if magic != _TABLE_MAGIC or len(self._map) != _HEADER.size + self.slots * _SLOT.size:
+            self._map.close()
+            raise InvalidArgument(f"{self.path} is not an SGLang key table")
+        self._lock = threading.Lock()
+
+    def _offset(self, key: bytes) -> int:
+        return _HEADER.size + int.from_bytes(key[:8], "little") % self.slots * _SLOT.size
+
+    def put(self, key: bytes, block_hash: bytes) -> None:
+        check = xxhash.xxh3_64_digest(key + block_hash)
+        with self._lock:
+            _SLOT.pack_into(self._map, self._offset(key), key, block_hash, check)
+
+    def get(self, key: bytes) -> bytes | None:
+        """The block hash recorded for the 32-byte ``key``, or None."""
+        got, block_hash, check = _SLOT.unpack_from(self._map, self._offset(key))
+        if got != key or check != xxhash.xxh3_64_digest(key + block_hash):
+            return None
+        return block_hash
+
+    def close(self, unlink: bool = False) -> None:
+        self._map.close()
+        if unlink:
+            self.path.unlink(missing_ok=True)
+
+
+def key_table_path(folder: Path | str, namespace: bytes) -> Path:
+    """Where the key table of ``namespace`` lies in the worker's table folder."""
+    return Path(folder) / f"{namespace.hex()}.keys"
+
+
+@dataclass(slots=True)
+class PageNames:
+    """One sequence's full pages named both ways as its tokens arrive: SGLang's key and the
+    chain's block hash (``extend_chain``, no extra keys), each pair put in ``table``."""
+
+    table: KeyTable
+    page_size: int
+    chain: list[bytes] = field(default_factory=list)
+    key: str = ""  # the last full page's SGLang key
+
+    def extend(self, tokens: Sequence[int]) -> int:
+        """Record the pages of ``tokens`` (the whole sequence so far) not recorded yet;
+        how many were new."""
+        done = len(self.chain)
+        new = extend_chain(self.chain, self.table.namespace, tokens, self.page_size)
+        rest = tokens[done * self.page_size : len(self.chain) * self.page_size]
+        keys = sglang_page_keys(rest, self.page_size, prior=self.key)
+        for key, block_hash in zip(keys, new, strict=True):
+            self.table.put(bytes.fromhex(key), block_hash)
+        if keys:
+            self.key = keys[-1]
+        return len(new)
+
+
 @dataclass(frozen=True, slots=True)
 class KeyMapper:
-    """SGLang page keys → 16-byte block hashes of one namespace."""
+    """SGLang page keys → 16-byte block hashes of one namespace: the chain's block hash of
+    the page when ``table`` has the key, else a name derived from the key alone."""
 
     namespace: bytes
+    table: KeyTable | None = None
 
     def __post_init__(self) -> None:
         if len(self.namespace) != HASH_BYTES:
@@ -110,6 +205,13 @@ class KeyMapper:
     def block_hash(self, key: str) -> bytes:
         if not key:
             raise InvalidArgument("an SGLang page key must not be empty")
+        if self.table is not None and len(key) == 64:
+            try:
+                named = self.table.get(bytes.fromhex(key))
+            except ValueError:  # not hex: never a sha256 key of ours
+                named = None
+            if named is not None:
+                return named
         # A page of no tokens whose extra key is the SGLang key, first in its chain.
         return hash_page(ROOT_PARENT, self.namespace, (), KEY_DOMAIN + key.encode())
 
@@ -117,7 +219,8 @@ class KeyMapper:
         return [self.block_hash(k) for k in keys]
 
     def prompt_hashes(self, tokens: Sequence[int], page_size: int) -> list[bytes]:
-        """Block hashes the pages of ``tokens`` get when SGLang stores them through us."""
+        """Block hashes the pages of ``tokens`` get when SGLang stores them through us
+        and no table names them."""
         return self.block_hashes(sglang_page_keys(tokens, page_size))
 
 
