@@ -7,10 +7,11 @@ import contextlib
 import secrets
 import socket
 import ssl
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 from cryptography import x509
 
 from omniflow.config import SecuritySettings
@@ -121,3 +122,16 @@ def served_certificate(address: str, ca: Path, cert: Path, key: Path) -> x509.Ce
             der = tls.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der)
+
+
+async def code_of(call: Awaitable[object] | AsyncIterator[object]) -> grpc.StatusCode:
+    """The status code a call ends with (OK when it succeeds), unary or streaming."""
+    try:
+        if hasattr(call, "__aiter__"):
+            async for _ in call:  # type: ignore[union-attr]
+                pass
+        else:
+            await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable
 import grpc
 import numpy as np
 import pytest
+from pki_procs import code_of
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -36,19 +37,6 @@ LAYOUT = KVLayout("h9-security", num_layers=1, num_kv_heads=1, head_dim=16, page
 NS = LAYOUT.namespace.hex()
 
 register_operation("echo", "upper", {"text": VType.TEXT}, {"text": VType.TEXT})
-
-
-async def code_of(call: Awaitable[object] | AsyncIterator[object]) -> grpc.StatusCode:
-    """The status code a call ends with (OK when it succeeds)."""
-    try:
-        if hasattr(call, "__aiter__"):
-            async for _ in call:  # type: ignore[union-attr]
-                pass
-        else:
-            await call  # type: ignore[misc]
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
 
 
 async def denied(call: Awaitable[object] | AsyncIterator[object]) -> None:

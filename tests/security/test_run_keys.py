@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
 import pytest
 import redis.asyncio as aioredis
-from pki_procs import PkiProcs, client_security, pki_procs
+from pki_procs import PkiProcs, client_security, code_of, pki_procs
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
@@ -72,18 +72,6 @@ def upper(name: str) -> cpb.RegisterWorkflowRequest:
     wf = Workflow(name)
     wf.output("text", wf.call("u", "echo", "upper", text=wf.input("text", VType.TEXT))["text"])
     return cpb.RegisterWorkflowRequest(graph=wf.compile())
-
-
-async def code_of(call: Awaitable[object] | AsyncIterator[object]) -> grpc.StatusCode:
-    try:
-        if hasattr(call, "__aiter__"):
-            async for _ in call:  # type: ignore[union-attr]
-                pass
-        else:
-            await call  # type: ignore[misc]
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
 
 
 def _name(tenant: str, run_id: str) -> str:
