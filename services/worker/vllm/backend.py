@@ -31,7 +31,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -192,6 +192,7 @@ class VLLMConfig:
     model_id: str = ""
     events_endpoint: str = ""  # vLLM's KV events, for the device pages in the index
     enforce_eager: bool = False  # vLLM's default: torch.compile (and graphs on GPU)
+    node_workers: int = 1  # torch workers on this node (cpu_threads)
     extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs fields
 
     def engine_kwargs(self, model_dir: Path, layout: KVLayout, fmt: str) -> dict[str, Any]:
@@ -368,13 +369,8 @@ class VLLMRole(BackendRole):
     @classmethod
     async def load(cls, model_dir: Path, config: VLLMConfig) -> VLLMRole:  # type: ignore[override]
         require_vllm()
-        # vLLM CPU pins its OpenMP threads to all cores unless told not to; the node's
-        # thread budget (OMP_NUM_THREADS) decides instead.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        import torch
-
-        # vLLM's engine processes inherit the worker's thread budget (engine/threads.py).
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        if config.device == "cpu":
+            cpu_threads(os.environ, config.node_workers)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -452,6 +448,27 @@ class VLLMRole(BackendRole):
             self.engine.active.pop(request_id, None)
 
 
+def cpu_threads(env: MutableMapping[str, str], node_workers: int) -> None:
+    """How vLLM CPU's engine takes its cores, set in ``env`` (its processes inherit it); a
+    variable the operator set wins. Alone on the node (one torch worker): as vLLM's own
+    server runs, its OpenMP threads bound one per core with one core left for the scheduler
+    and the worker's gRPC edge (``auto``, one reserved core: vLLM would reserve a second
+    for a NIXL connector, which ours is not). Unbound, two threads on two cores share them
+    with vLLM's busy scheduler loop and the edge, and every OpenMP barrier waits for the
+    thread that lost its core: 0.2-0.4x of vLLM's server behind the gateway (issue 19).
+    Sharing the node with other torch workers: unbound (``nobind``), the worker's thread
+    budget (engine/threads.py) as ``OMP_NUM_THREADS``, so that workers do not pin the same
+    cores."""
+    if node_workers <= 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+        return
+    import torch
+
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+
 def kv_format(cfg: ModelConfig, config: VLLMConfig) -> str:
     """How this vLLM's cache blocks map to pages (``pages.FORMATS``)."""
     if config.device != "cpu":
@@ -503,5 +520,6 @@ async def load_vllm_role(folder: Path, settings: WorkerSettings, dtype: str) -> 
         agent_address=agent,
         index_address=index,
         events_endpoint=events_endpoint() if settings.kv_connect else "",
+        node_workers=settings.node_torch_workers,
     )
     return await VLLMRole.load(folder, config)
