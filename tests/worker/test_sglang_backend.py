@@ -34,6 +34,7 @@ from omniflow_services.worker.sglang.backend import (
     SGLangConfig,
     StreamDecoder,
     close_key_tables,
+    drop_key_table_files,
     expected_layout,
     open_key_tables,
     rank_layouts,
@@ -48,6 +49,7 @@ from omniflow_services.worker.sglang.pages import (
     HOST_LAYOUTS,
     HostPageFormat,
     KeyMapper,
+    KeyTable,
     PageNames,
     batched,
     host_format_of,
@@ -332,6 +334,15 @@ def test_the_worker_writes_one_table_per_ranks_namespace() -> None:
             Path("/m"), "m"
         )
         assert json.loads(kw["hicache_storage_backend_extra_config"])["key_tables"] == str(folder)
+        # Once SGLang's backend has mapped its table the worker removes the files; what
+        # the worker writes after still reaches the backend.
+        reader = KeyTable(tables[1].path)
+        drop_key_table_files(tables)
+        assert not folder.exists()
+        PageNames(tables[1], 16).extend(list(range(16)))
+        key = bytes.fromhex(sglang_page_keys(list(range(16)), 16)[0])
+        assert reader.get(key) == block_hashes(layouts[1].namespace, list(range(16)), 16)[0]
+        reader.close()
     finally:
         close_key_tables(tables)
     assert not folder.exists()

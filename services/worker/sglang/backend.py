@@ -254,6 +254,10 @@ class SGLangRole(BackendRole):
         except BaseException:
             close_key_tables(tables)
             raise
+        finally:
+            # SGLang's backend mapped its table while the engine started: the files go now,
+            # so none is left behind however the worker ends (the mappings stay valid).
+            drop_key_table_files(tables)
         tok = folder_tokenizer(model_dir)
         return cls(SGLangEngine(engine, layouts[0], tok, cfg, tables), model_dir)
 
@@ -332,12 +336,17 @@ def open_key_tables(layouts: list[KVLayout]) -> list[KeyTable]:
     ]
 
 
-def close_key_tables(tables: list[KeyTable]) -> None:
-    """Close and remove the tables ``open_key_tables`` made, and their folder."""
-    for t in tables:
-        t.close(unlink=True)
+def drop_key_table_files(tables: list[KeyTable]) -> None:
+    """Remove the folder ``open_key_tables`` made (open mappings of its files stay valid)."""
     if tables:
         shutil.rmtree(tables[0].path.parent, ignore_errors=True)
+
+
+def close_key_tables(tables: list[KeyTable]) -> None:
+    """Close the tables ``open_key_tables`` made and remove their files."""
+    for t in tables:
+        t.close()
+    drop_key_table_files(tables)
 
 
 def require_sglang() -> None:
