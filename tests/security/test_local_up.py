@@ -8,17 +8,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+from up_procs import check_down, omniflow_cli, procs_by_name
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -41,18 +39,6 @@ _SECURITY_VARS = (
     "OMNIFLOW_GATEWAY_API_KEYS_FILE",
     "OMNIFLOW_COORDINATOR_ADDR",
 )
-
-OMNIFLOW = shutil.which("omniflow") or str(Path(sys.executable).with_name("omniflow"))
-
-
-def _run(args: list[str], env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [OMNIFLOW, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-
-
-def _procs(run_dir: Path) -> dict[str, dict]:
-    return {p["name"]: p for p in json.loads((run_dir / "state.json").read_text())["procs"]}
 
 
 async def _exercise(run_dir: Path, coordinator: str) -> None:
@@ -103,9 +89,9 @@ def test_up_with_tls_and_auth(tmp_path: Path) -> None:
     topology.write_text("node: sec-node\nworkers:\n  - {role: llm, count: 1, program: echo}\n")
     pids: list[int] = []
     try:
-        up = _run(["up", "--topology", str(topology)], env)
+        up = omniflow_cli(["up", "--topology", str(topology)], env)
         assert up.returncode == 0, up.stdout + up.stderr
-        procs = _procs(run_dir)
+        procs = procs_by_name(run_dir)
         pids = [p["pid"] for p in procs.values()]
         pki = run_dir / "pki"
         for name, p in procs.items():
@@ -117,7 +103,7 @@ def test_up_with_tls_and_auth(tmp_path: Path) -> None:
         state_text = (run_dir / "state.json").read_text()
         client = json.loads((pki / "client.json").read_text())
         assert client["OMNIFLOW_TOKEN"] not in state_text  # tokens stay in 0600 files
-        status = _run(["status"], env)
+        status = omniflow_cli(["status"], env)
         assert status.returncode == 0, status.stdout + status.stderr
         asyncio.run(_exercise(run_dir, procs["coordinator"]["address"]))
         # The gateway is one more client under the same rules: its calls go over TLS, and
@@ -134,19 +120,16 @@ def test_up_with_tls_and_auth(tmp_path: Path) -> None:
         end = time.monotonic() + 60
         while time.monotonic() < end:
             time.sleep(0.5)
-            router = _procs(run_dir)["router"]
-            if router["pid"] != procs["router"]["pid"] and _run(["status"], env).returncode == 0:
+            router = procs_by_name(run_dir)["router"]
+            back = router["pid"] != procs["router"]["pid"]
+            if back and omniflow_cli(["status"], env).returncode == 0:
                 break
         else:
-            raise AssertionError(f"router not back:\n{_run(['status'], env).stdout}")
+            raise AssertionError(f"router not back:\n{omniflow_cli(['status'], env).stdout}")
         pids.append(router["pid"])
     finally:
-        down = _run(["down"], env)
-    assert down.returncode == 0, down.stdout + down.stderr
-    left = [
-        p for p in pids if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/cmdline").read_bytes()
-    ]
-    assert not left, "processes left behind"
+        down = omniflow_cli(["down"], env)
+    check_down(down, pids)
 
 
 def _completion(base: str, key: str, prompt: list[int]) -> dict:
@@ -230,9 +213,9 @@ def test_gateway_api_keys_are_tenants(tmp_path: Path) -> None:
     )
     pids: list[int] = []
     try:
-        up = _run(["up", "--topology", str(topology)], env)
+        up = omniflow_cli(["up", "--topology", str(topology)], env)
         assert up.returncode == 0, up.stdout + up.stderr
-        procs = _procs(run_dir)
+        procs = procs_by_name(run_dir)
         pids = [p["pid"] for p in procs.values()]
         base = procs["gateway"]["address"]
         prompt = [(7 * i + 3) % 200 + 10 for i in range(64)]  # 4 pages of 16 tokens
@@ -278,12 +261,8 @@ def test_gateway_api_keys_are_tenants(tmp_path: Path) -> None:
         admin = asyncio.run(_get_run(run_dir, coordinator, runs_of_a[0], "OMNIFLOW_TOKEN"))
         assert admin == grpc.StatusCode.OK
     finally:
-        down = _run(["down"], env)
-    assert down.returncode == 0, down.stdout + down.stderr
-    left = [
-        p for p in pids if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/cmdline").read_bytes()
-    ]
-    assert not left, "processes left behind"
+        down = omniflow_cli(["down"], env)
+    check_down(down, pids)
 
 
 @pytest.mark.usefixtures("redis_binary")
@@ -298,10 +277,10 @@ def test_up_insecure_is_plaintext_and_says_so(tmp_path: Path) -> None:
     topology.write_text("node: plain\nworkers:\n  - {role: llm, count: 1, program: echo}\n")
     pids: list[int] = []
     try:
-        up = _run(["up", "--insecure", "--topology", str(topology)], env)
+        up = omniflow_cli(["up", "--insecure", "--topology", str(topology)], env)
         assert up.returncode == 0, up.stdout + up.stderr
         assert "PLAINTEXT" in up.stdout and "development only" in up.stdout
-        procs = _procs(run_dir)
+        procs = procs_by_name(run_dir)
         pids = [p["pid"] for p in procs.values()]
         assert not (run_dir / "pki" / "client.json").exists()
         assert all("OMNIFLOW_TLS" not in p["env"] for p in procs.values())
@@ -311,11 +290,7 @@ def test_up_insecure_is_plaintext_and_says_so(tmp_path: Path) -> None:
         )
         models = httpx.get(f"{procs['gateway']['address']}/v1/models", timeout=30)
         assert models.status_code == 200, models.text  # no key asked for
-        assert _run(["status"], env).returncode == 0
+        assert omniflow_cli(["status"], env).returncode == 0
     finally:
-        down = _run(["down"], env)
-    assert down.returncode == 0, down.stdout + down.stderr
-    left = [
-        p for p in pids if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/cmdline").read_bytes()
-    ]
-    assert not left, "processes left behind"
+        down = omniflow_cli(["down"], env)
+    check_down(down, pids)

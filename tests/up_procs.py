@@ -14,11 +14,22 @@ from pathlib import Path
 OMNIFLOW = shutil.which("omniflow") or str(Path(sys.executable).with_name("omniflow"))
 
 
-def omniflow_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+def omniflow_cli(
+    args: list[str], env: dict[str, str], timeout: float = 240
+) -> subprocess.CompletedProcess:
     """``omniflow ARGS`` with ``env`` (its run folder), its output captured."""
     return subprocess.run(
-        [OMNIFLOW, *args], env=env, capture_output=True, text=True, timeout=240, check=False
+        [OMNIFLOW, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def check_down(down: subprocess.CompletedProcess, pids: list[int]) -> None:
+    """``omniflow down`` (its result ``down``) succeeded and none of ``pids`` is left."""
+    assert down.returncode == 0, down.stdout + down.stderr
+    left = [
+        p for p in pids if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
+    assert not left, "processes left behind"
 
 
 def up_state(run: Path) -> dict:
