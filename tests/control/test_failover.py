@@ -33,13 +33,17 @@ def _shout() -> Workflow:
     return wf
 
 
-def _two_coordinators(launch, resume: bool) -> list:
+def _echo_worker(launch) -> None:
     launch(
         "omniflow_services.worker",
         "echo-0",
         OMNIFLOW_WORKER_ENGINE="echo",
         OMNIFLOW_WORKER_ROLE="echo",
     ).wait_ready()
+
+
+def _two_coordinators(launch, resume: bool) -> list:
+    _echo_worker(launch)
     router = launch("omniflow_services.router", "router").wait_ready()
     return [
         launch(
@@ -95,12 +99,7 @@ async def test_dead_coordinators_runs_are_adopted_and_the_client_fails_over(laun
 
 
 async def test_coordinator_fails_over_between_routers(launch) -> None:
-    launch(
-        "omniflow_services.worker",
-        "echo-0",
-        OMNIFLOW_WORKER_ENGINE="echo",
-        OMNIFLOW_WORKER_ROLE="echo",
-    ).wait_ready()
+    _echo_worker(launch)
     routers = [launch("omniflow_services.router", f"router-{i}").wait_ready() for i in range(2)]
     coord = launch("omniflow_services.coordinator", "coordinator").wait_ready()
     async with Client(coord.address) as client:
