@@ -31,7 +31,6 @@ from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.coordinator.v1 import coordinator_pb2_grpc
 from omniflow.dsl import Workflow, register_operation
 from omniflow.rpc.client import open_channel
-from omniflow.security.bundle import Bundle
 from omniflow.security.identity import Identity
 from omniflow.security.transport import Security
 from omniflow.testing.launch import ServiceProc
@@ -57,16 +56,9 @@ class Topo:
     pki: PkiProcs
     procs: dict[str, ServiceProc]
 
-    @property
-    def folder(self) -> Path:
-        return self.pki.folder
-
-    @property
-    def bundle(self) -> Bundle:
-        return self.pki.bundle
-
     def security(self, cert: Path | None = None, key: Path | None = None) -> Security:
-        return client_security(self.bundle, CLIENT, self.bundle.tokens[":admin"], cert, key)
+        bundle = self.pki.bundle
+        return client_security(bundle, CLIENT, bundle.tokens[":admin"], cert, key)
 
 
 @pytest.fixture(scope="module")
@@ -93,16 +85,16 @@ async def _run(stub: coordinator_pb2_grpc.CoordinatorServiceStub, text: str) -> 
 
 def _served_issuer(address: str, topo: Topo) -> x509.Name:
     """The issuer of the certificate a new TLS handshake with ``address`` presents."""
-    issued = topo.bundle.certs[CLIENT.uri]
-    return served_certificate(address, topo.bundle.ca, issued.cert, issued.key).issuer
+    issued = topo.pki.bundle.certs[CLIENT.uri]
+    return served_certificate(address, topo.pki.bundle.ca, issued.cert, issued.key).issuer
 
 
 def test_ca_rotation_loses_no_request(topo: Topo) -> None:
-    pki = topo.folder / "pki"
+    pki = topo.pki.folder / "pki"
     old_ca = x509.load_pem_x509_certificate((pki / "ca.pem").read_bytes())
-    old_client = topo.folder / "old-client"
+    old_client = topo.pki.folder / "old-client"
     old_client.mkdir()
-    issued = topo.bundle.certs[CLIENT.uri]
+    issued = topo.pki.bundle.certs[CLIENT.uri]
     for src in (issued.cert, issued.key):
         (old_client / src.name).write_bytes(src.read_bytes())
         (old_client / src.name).chmod(0o600)
