@@ -278,6 +278,32 @@ void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) 
 
 // ---------------------------------------------------------------- SiLU and multiply
 
+// silu(g) = g / (1 + exp(-g)) for 16 lanes. With AVX-512: exp by the same reduction and
+// degree-6 polynomial as vexp (Cephes' coefficients, ~1 ulp) in fused multiply-adds, 2^n
+// applied by vscalefps (overflow to inf, underflow to 0: no integer bit tricks, no
+// selects), one clamp that keeps NaN; about a third of vexp's instructions.
+inline v16 silu16(v16 g) {
+#ifdef __AVX512F__
+  const __m512 x = _mm512_min_ps(_mm512_set1_ps(100.f),
+                                 _mm512_max_ps(_mm512_set1_ps(-104.f), -(__m512)g));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 e = _mm512_scalef_ps(p, n);
+  return (v16)_mm512_div_ps((__m512)g, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+#else
+  return g / (1.0f + vexp(-g));
+#endif
+}
+
 // out [T, I] = T(silu(g)) * u for gu [T, 2I] = [g | u] (silu(g) = g / (1 + exp(-g))).
 void silu_mul(const at::Tensor& gu, const at::Tensor& out) {
   check_cpu(gu, "gu");
@@ -296,9 +322,8 @@ void silu_mul(const at::Tensor& gu, const at::Tensor& out) {
         scalar* o = op + t * I;
         int64_t i = 0;
         for (; i + 16 <= I; i += 16) {
-          v16 gv = load16(g + i);
-          v16 sv = vround<scalar>(gv / (1.0f + vexp(-gv)));
-          store16(o + i, sv * load16(u + i));
+          const v16 gv = load16(g + i);
+          store16(o + i, vround<scalar>(silu16(gv)) * load16(u + i));
         }
         for (; i < I; ++i) {
           const float gv = to_f(g[i]);
