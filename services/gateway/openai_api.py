@@ -50,6 +50,7 @@ from omniflow_services.gateway.protocol import (
 )
 from omniflow_services.gateway.replies import (
     DONE,
+    joined,
     param_model,
     sse,
     streaming,
@@ -153,17 +154,16 @@ class OpenAIRoutes:
         preps: list[Prepared],
         n: int = 1,
         constraint: Constraint | None = None,
-        skip: int = 0,
     ) -> StreamingResponse:
         """SSE of ``events``; the workers of ``preps`` are picked before the 200 is sent
         (picks no stream used are released at the end). With a constraint, the stream's
-        first worker chunk (after ``skip`` events) is awaited first: a grammar the worker
+        first event (its first worker chunk) is awaited first: a grammar the worker
         cannot compile is a 400 naming the field."""
         for prep in preps:
             await param_model(self.core.prepick(prep, n))
         if constraint is not None:
             try:
-                events = await primed(events, skip + 1, constraint)
+                events = await primed(events, 1, constraint)
             except BaseException:
                 self.core.release(preps)
                 raise
@@ -217,8 +217,8 @@ class OpenAIRoutes:
         chat = _Chat(prep, req, rid, int(time.time()), arrived, plan)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._chat_events(chat, include_usage)
-            return await self._stream(events, [prep], req.n, constraint, skip=req.n)
+            events = joined(self._chat_events(chat, include_usage), req.n)  # role chunks
+            return await self._stream(events, [prep], req.n, constraint)
         work = self._chat_whole(chat)
         result = await naming(constraint, whole(request, work))
         if result is None:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from omniflow.errors import OmniflowError
 from omniflow_services.gateway import access
@@ -58,13 +59,66 @@ async def whole(request: Request, work: Awaitable[T]) -> T | None:
     return task.result()
 
 
+class EventStream(StreamingResponse):
+    """Starlette's streaming response, streamed in the request's own task.
+
+    Under uvicorn (ASGI spec 2.3) starlette runs the stream in a task group beside a task
+    waiting for the client's disconnect: a task group, a task and a hop before the first
+    byte of every response. Here the stream runs in place and one watcher waits for the
+    disconnect; when the client leaves, it cancels the stream (which ends the worker's
+    call, as before), and the response ends quietly as starlette's does."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        over = False
+
+        def gone(watch: asyncio.Future[None]) -> None:
+            if not over and not watch.cancelled() and watch.exception() is None:
+                task.cancel()
+
+        watch = asyncio.ensure_future(_disconnected_from(receive))
+        watch.add_done_callback(gone)
+        try:
+            await self.stream_response(send)
+            over = True
+        except asyncio.CancelledError:
+            if not (watch.done() and not watch.cancelled()):
+                raise  # cancelled from elsewhere (shutdown): not ours to swallow
+            task.uncancel()
+        finally:
+            over = True
+            watch.remove_done_callback(gone)
+            watch.cancel()
+        if self.background is not None:
+            await self.background()
+
+
 def streaming(
     events: AsyncIterator[bytes], release: Callable[[], None] = lambda: None
 ) -> StreamingResponse:
     """SSE of ``events``; ``release`` runs at the end, whatever happened."""
-    return StreamingResponse(
+    return EventStream(
         _guarded(events, release), media_type="text/event-stream", headers=SSE_HEADERS
     )
+
+
+async def joined(events: AsyncIterator[bytes], count: int) -> AsyncIterator[bytes]:
+    """``events`` with its first ``count`` items sent together with the next one, as one
+    write: a chat stream's role chunks go with its first output (vLLM's server sends them
+    then too), so that no write to the client comes before the worker is called."""
+    head: list[bytes] = []
+    async with aclosing(events) as stream:
+        async for data in stream:
+            if count:
+                head.append(data)
+                count -= 1
+                continue
+            if head:
+                data, head = b"".join((*head, data)), []
+            yield data
+    if head:
+        yield b"".join(head)
 
 
 async def param_model(work: Awaitable[T]) -> T:
@@ -95,7 +149,11 @@ async def _guarded(
 
 
 async def _disconnected(request: Request) -> None:
+    await _disconnected_from(request.receive)
+
+
+async def _disconnected_from(receive: Receive) -> None:
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return

@@ -131,8 +131,8 @@ async def primed(
     events: AsyncIterator[bytes], count: int, constraint: Constraint
 ) -> AsyncIterator[bytes]:
     """``events`` with its first ``count`` items already taken, so that a constraint the
-    worker refuses is the response's 400, not an error event after a 200 (the first
-    worker chunk comes after the ``n`` role chunks of a chat stream)."""
+    worker refuses is the response's 400, not an error event after a 200 (a chat stream's
+    role chunks come joined to its first worker chunk: ``replies.joined``)."""
     first: list[bytes] = []
     try:
         for _ in range(count):
