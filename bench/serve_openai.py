@@ -47,7 +47,9 @@ and level, ours / vLLM's server as the issue's rows do. Then, one system after a
   step timed alone for the breakdown. The worker here is the echo TEST worker (no
   compute: it answers at once), registered as model ``echo`` with SmolLM2's tokenizer,
   so that the model's step time (tens of ms, noisy on a shared machine) does not drown
-  the gateway's own cost. ``bench/serve_breakdown.py`` times every step of one request.
+  the gateway's own cost. Twice: with one echo worker (the model's lone worker, called
+  without the router's Pick) and with two (the router's kv_aware Pick on the path).
+  ``bench/serve_breakdown.py`` times every step of one request.
 """
 
 from __future__ import annotations
@@ -500,7 +502,13 @@ def main() -> int:
             if "overhead" in args.parts and ours:
                 of = start_echo(ours[-1].procs, ours[-1].of)
                 over = asyncio.run(overhead(of, folder, args.overhead_samples))
-                print(f"  overhead: {over}", flush=True)
+                print(f"  overhead, one echo worker: {over}", flush=True)
+                # A second echo worker: the model has a choice, so the router's Pick is on
+                # the gateway's path (a lone worker is called without one).
+                start_echo(ours[-1].procs, ours[-1].of, "echo-2")
+                two = asyncio.run(overhead(of, folder, args.overhead_samples))
+                print(f"  overhead, two echo workers: {two}", flush=True)
+                over |= {f"{k}_picked": v for k, v in two.items()}
         for r in up:
             r.stop()
         up.clear()

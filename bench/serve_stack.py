@@ -176,11 +176,11 @@ def start_omniflow(
     return Omniflow(gw["url"], workers[0]["address"], router, ns, base, models), redis
 
 
-def start_echo(procs: Procs, of: Omniflow) -> Omniflow:
+def start_echo(procs: Procs, of: Omniflow, name: str = "echo-1") -> Omniflow:
     """A worker of the echo TEST engine (answers at once) on the same topology, for the overhead."""
     echo = procs.service(
         "omniflow_services.worker",
-        "echo-1",
+        name,
         {
             **of.base,
             "OMNIFLOW_WORKER_ENGINE": "echo",
