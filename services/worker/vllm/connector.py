@@ -64,7 +64,6 @@ from omniflow_services.worker.vllm.connector_config import (
     CLASS_NAME,
     MODULE_PATH,
     ConnectorConfig,
-    extra_config,
     transfer_config,
 )
 from omniflow_services.worker.vllm.pages import BlockFormat
@@ -74,7 +73,6 @@ __all__ = [
     "MODULE_PATH",
     "ConnectorConfig",
     "OmniflowConnector",
-    "extra_config",
     "transfer_config",
 ]
 

@@ -61,11 +61,12 @@ class ConnectorConfig:
         )
 
 
-def extra_config(
+def transfer_config(
     agent_address: str, index_address: str, layout: KVLayout, kv_format: str
 ) -> dict[str, Any]:
-    """The ``kv_connector_extra_config`` that points the connector at the agent."""
-    return {
+    """vLLM's ``kv_transfer_config`` for this connector: its ``kv_connector_extra_config``
+    points the connector at the agent and names the layout (``ConnectorConfig.from_extra``)."""
+    extra = {
         "kv_format": kv_format,
         "agent_address": agent_address,
         "index_address": index_address,
@@ -76,16 +77,10 @@ def extra_config(
         "dtype": layout.dtype,
         "page_size": layout.page_size,
     }
-
-
-def transfer_config(
-    agent_address: str, index_address: str, layout: KVLayout, kv_format: str
-) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` for this connector."""
     return {
         "kv_connector": CLASS_NAME,
         "kv_connector_module_path": MODULE_PATH,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra_config(agent_address, index_address, layout, kv_format),
+        "kv_connector_extra_config": extra,
     }
