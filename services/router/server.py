@@ -355,9 +355,9 @@ class RouterApp(ServiceApp):
             self.table.count("kv_fallback_off")
             return None, "kv index is off: load only"
         try:
-            reach = await asyncio.wait_for(
-                self.index.match(namespace, hashes), self.settings.kv_index_timeout_s
-            )
+            # asyncio.timeout, not wait_for: no task made and scheduled for every pick.
+            async with asyncio.timeout(self.settings.kv_index_timeout_s):
+                reach = await self.index.match(namespace, hashes)
         except TimeoutError:
             self.table.count("kv_fallback_timeout")
             return None, "kv index timed out: load only"

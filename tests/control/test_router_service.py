@@ -3,6 +3,8 @@ the blocks echo TEST workers publish to the KV index, and the load-only fallback
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 import pytest
 
@@ -16,6 +18,17 @@ from omniflow_services.worker.echo.engine import ECHO_LAYOUT
 pytestmark = pytest.mark.integration
 
 KV = router_pb2.STRATEGY_KV_AWARE
+
+
+def _kv_pick(hashes: list[bytes], role: str = "llm", **extra: str) -> router_pb2.PickRequest:
+    """A kv_aware pick of ``role`` for ``hashes`` of the echo workers' namespace."""
+    return router_pb2.PickRequest(
+        role=role,
+        strategy=KV,
+        kv_namespace=ECHO_LAYOUT.namespace_hex,
+        block_hashes=hashes,
+        **extra,
+    )
 
 
 async def generate(stub: worker_pb2_grpc.WorkerServiceStub, prompt: str) -> tuple[str, int]:
@@ -49,14 +62,7 @@ async def test_proxy_kv_aware_and_stats(cluster):
         # same conversation goes back to it, whatever the round-robin cursor says.
         prompt = "system: you are terse. user: tell me about paged attention please"
         hashes = block_hashes(ECHO_LAYOUT.namespace, list(prompt.encode()), ECHO_LAYOUT.page_size)
-        first = await router.Pick(
-            router_pb2.PickRequest(
-                role="llm",
-                strategy=KV,
-                kv_namespace=ECHO_LAYOUT.namespace_hex,
-                block_hashes=hashes,
-            )
-        )
+        first = await router.Pick(_kv_pick(hashes))
         assert first.reachable_blocks == 0 and first.fallback_reason == ""
         owner = first.worker
         async with open_channel(owner.address) as wch:
@@ -66,14 +72,7 @@ async def test_proxy_kv_aware_and_stats(cluster):
             router_pb2.ReportOutcomeRequest(worker_id=owner.worker_id, success=True)
         )
         for _ in range(4):
-            again = await router.Pick(
-                router_pb2.PickRequest(
-                    role="llm",
-                    strategy=KV,
-                    kv_namespace=ECHO_LAYOUT.namespace_hex,
-                    block_hashes=hashes,
-                )
-            )
+            again = await router.Pick(_kv_pick(hashes))
             assert again.worker.worker_id == owner.worker_id
             assert again.reachable_blocks == len(hashes) and again.cost == pytest.approx(0.0)
             await router.ReportOutcome(
@@ -163,15 +162,7 @@ async def test_kv_aware_counts_blocks_an_agent_acknowledged_before_the_index_kno
         router = router_pb2_grpc.RouterServiceStub(channel)
 
         async def pick(node: str) -> str:
-            reply = await router.Pick(
-                router_pb2.PickRequest(
-                    role="diffusion",
-                    strategy=KV,
-                    kv_namespace=ECHO_LAYOUT.namespace_hex,
-                    block_hashes=hashes,
-                    kv_stored_node=node,
-                )
-            )
+            reply = await router.Pick(_kv_pick(hashes, "diffusion", kv_stored_node=node))
             wid = reply.worker.worker_id
             await router.ReportOutcome(router_pb2.ReportOutcomeRequest(worker_id=wid, success=True))
             return wid
@@ -204,3 +195,29 @@ async def test_batched_outcomes_reach_the_router(cluster):
         assert stats.breakers["llm-0"] == "open" and stats.breakers["llm-1"] != "open"
         picks = {(await router.Pick(router_pb2.PickRequest(role="llm"))).worker.worker_id}
         assert picks == {"llm-1"}
+
+
+async def test_kv_aware_past_the_index_deadline_picks_by_load(cluster):
+    # A kv-index that accepts the connection and never answers: the match outlives
+    # OMNIFLOW_ROUTER_KV_INDEX_TIMEOUT_S, and the pick is made by load, saying so.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        procs = cluster(
+            {"llm": 2},
+            router_env={
+                "OMNIFLOW_ROUTER_KV_INDEX": "grpc",
+                "OMNIFLOW_KV_INDEX_ADDR": f"127.0.0.1:{silent.getsockname()[1]}",
+                "OMNIFLOW_ROUTER_KV_INDEX_TIMEOUT_S": "0.2",
+            },
+        )
+        async with open_channel(procs["router"].address) as channel:
+            router = router_pb2_grpc.RouterServiceStub(channel)
+            reply = await router.Pick(_kv_pick([b"\x01" * 16]), timeout=10)
+            assert reply.worker.worker_id in {"llm-0", "llm-1"}
+            assert reply.fallback_reason == "kv index timed out: load only"
+            stats = await router.GetStats(router_pb2.GetStatsRequest())
+            assert stats.counters["kv_fallback_timeout"] == 1
+    finally:
+        silent.close()
