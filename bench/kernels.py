@@ -16,7 +16,7 @@ Cases:
             prepacked weights (``PackedLinear``, the engine's path for larger batches)
   silu      SiLU-and-multiply of [T, 2 x 1536]: ``silu_mul`` against ``F.silu(g) * u``
   prefill   causal attention of one fresh prompt of 256..1024 tokens (9 heads over 3):
-            torch's SDPA, the engine's path, at each length
+            ``prefill_attention`` (blocked, online softmax) against torch's SDPA
 """
 
 from __future__ import annotations
@@ -106,18 +106,32 @@ def bench_silu(tokens: list[int], repeats: int) -> None:
 def bench_prefill(lengths: list[int], repeats: int) -> None:
     g = torch.Generator().manual_seed(2)
     scale = HEAD_DIM**-0.5
-    print("| tokens | torch SDPA ms (per layer) |")
-    print("|---|---|")
+    ops = kernels.ops()
+    print("| tokens | torch SDPA ms (a layer) | prefill_attention ms | speed-up |")
+    print("|---|---|---|---|")
     for n in lengths:
-        q = torch.randn(1, HEADS, n, HEAD_DIM, generator=g).to(torch.bfloat16)
-        k = torch.randn(1, KV_HEADS, n, HEAD_DIM, generator=g).to(torch.bfloat16)
-        v = torch.randn(1, KV_HEADS, n, HEAD_DIM, generator=g).to(torch.bfloat16)
+        # q, k, v as the model has them: heads of one QKV projection row
+        qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g).to(torch.bfloat16)
+        q = qkv[:, : HEADS * HEAD_DIM].view(n, HEADS, HEAD_DIM)
+        k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(n, KV_HEADS, HEAD_DIM)
+        v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(n, KV_HEADS, HEAD_DIM)
+        out = torch.empty(n, HEADS, HEAD_DIM, dtype=torch.bfloat16)
 
-        def sdpa(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        def sdpa(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v, out=out) -> None:
+            qq, kk, vv = (x.transpose(0, 1)[None] for x in (q, k, v))
+            o = F.scaled_dot_product_attention(
+                qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True
+            )
+            out.copy_(o[0].transpose(0, 1))
 
-        r = timed({"sdpa": sdpa}, repeats)
-        print(f"| {n} | {r['sdpa'] * 1e3:.3f} |")
+        def fused(q=q, k=k, v=v, n: int = n, out: torch.Tensor = out) -> None:
+            ops.prefill_attention(q, k, v, n, scale, out)
+
+        r = timed({"sdpa": sdpa, "fused": fused}, repeats)
+        print(
+            f"| {n} | {r['sdpa'] * 1e3:.3f} | {r['fused'] * 1e3:.3f} | "
+            f"{r['sdpa'] / r['fused']:.2f}x |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -192,6 +192,42 @@ def test_small_linear_refuses_bad_input() -> None:
         ops.small_linear(torch.zeros(1, 64, dtype=torch.bfloat16), w, torch.zeros(15))
 
 
+@gemv
+@pytest.mark.parametrize("dim", [64, 128])
+def test_prefill_attention_equals_causal_sdpa(dim: int) -> None:
+    """Fresh prompts' blocked causal attention (rows strided inside the QKV projection, as
+    the model passes them) against float64 SDPA: bfloat16 output rounding apart, as torch's
+    own bfloat16 SDPA; lengths that are and are not multiples of the 16-position block."""
+    g = torch.Generator().manual_seed(30 + dim)
+    heads, kv_heads = 9, 3
+    for length, count in [(1, 2), (5, 3), (16, 1), (17, 2), (100, 1), (264, 1)]:
+        t = length * count
+        qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(torch.bfloat16)
+        q = qkv[:, : heads * dim].view(t, heads, dim)
+        k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim)
+        v = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
+        out = torch.full((t, heads, dim), 7.0, dtype=torch.bfloat16)
+        kernels.ops().prefill_attention(q, k, v, length, dim**-0.5, out)
+
+        def per_prompt(x: torch.Tensor, shape: tuple[int, int] = (count, length)) -> torch.Tensor:
+            return x.unflatten(0, shape).transpose(1, 2)
+
+        args = dict(is_causal=True, scale=dim**-0.5, enable_gqa=True)
+        exact = F.scaled_dot_product_attention(
+            per_prompt(q).double(), per_prompt(k).double(), per_prompt(v).double(), **args
+        )
+        want = exact.transpose(1, 2).flatten(0, 1)
+        ref = F.scaled_dot_product_attention(per_prompt(q), per_prompt(k), per_prompt(v), **args)
+        torch_err = (ref.transpose(1, 2).flatten(0, 1).double() - want).abs().max()
+        err = (out.double() - want).abs().max()
+        assert float(err) <= max(float(torch_err), 2**-8) * 1.5, (length, float(err))
+    with pytest.raises(RuntimeError, match="no whole prompts"):
+        kernels.ops().prefill_attention(q, k, v, 7, 0.1, out)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        small = torch.zeros(4, 2, 32, dtype=torch.bfloat16)
+        kernels.ops().prefill_attention(small, small, small, 4, 0.1, small.clone())
+
+
 def test_bad_input_is_refused_with_an_error() -> None:
     ops = kernels.ops()
     cache = torch.zeros(2, 4, 16, 32)

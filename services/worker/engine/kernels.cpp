@@ -15,6 +15,7 @@
 //   decode_attention(q, rows, k_cache, v_cache, tables, lens, scale, out)
 //       one query row per request against its paged keys, read in place from the pool
 //   small_linear(x, w, b) -> out          x @ w.T + b for a few bfloat16 rows (a GEMV)
+//   prefill_attention(q, k, v, L, scale, out)   causal attention of fresh prompts (bf16)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -278,14 +279,14 @@ void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) 
 
 // ---------------------------------------------------------------- SiLU and multiply
 
-// silu(g) = g / (1 + exp(-g)) for 16 lanes. With AVX-512: exp by the same reduction and
+// exp for 16 lanes, and silu(g) = g / (1 + exp(-g)). With AVX-512: exp by the same reduction and
 // degree-6 polynomial as vexp (Cephes' coefficients, ~1 ulp) in fused multiply-adds, 2^n
 // applied by vscalefps (overflow to inf, underflow to 0: no integer bit tricks, no
 // selects), one clamp that keeps NaN; about a third of vexp's instructions.
-inline v16 silu16(v16 g) {
 #ifdef __AVX512F__
-  const __m512 x = _mm512_min_ps(_mm512_set1_ps(100.f),
-                                 _mm512_max_ps(_mm512_set1_ps(-104.f), -(__m512)g));
+inline __m512 exp_fma(__m512 in) {
+  // below -150 the result is 0 (past float's denormals), above 100 +inf: no clamp of r needed
+  const __m512 x = _mm512_min_ps(_mm512_set1_ps(100.f), _mm512_max_ps(_mm512_set1_ps(-150.f), in));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -297,7 +298,13 @@ inline v16 silu16(v16 g) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512 e = _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+inline v16 silu16(v16 g) {
+#ifdef __AVX512F__
+  const __m512 e = exp_fma(-(__m512)g);
   return (v16)_mm512_div_ps((__m512)g, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
 #else
   return g / (1.0f + vexp(-g));
@@ -783,6 +790,127 @@ void gemv_m(const bf16* x, int64_t xs, const bf16* w, int64_t K, const bf16* bia
 }
 #endif
 
+// ---------------------------------------------------------------- prefill attention
+
+#ifdef __AVX512BF16__
+// Causal attention of one prompt's block of 16 query positions (q0..) for one KV head and its
+// G query heads, in the flash form: key blocks of 16 up to the diagonal, each block's keys
+// packed once as bfloat16 pairs (key dot products by vdpbf16ps with the query's pairs
+// broadcast) and its values widened once to float32; an online softmax in float32 per row.
+template <int C>
+void prefill_block(const bf16* q, int64_t qs, const bf16* k, int64_t ks, const bf16* v,
+                   int64_t vs, int64_t G, int64_t L, int64_t q0, float scale, bf16* out, int64_t os) {
+  constexpr int D = C * 16, D2 = D / 2;
+  const int64_t nq = std::min<int64_t>(16, L - q0), rows = G * nq;
+  std::vector<float> m(rows, -INFINITY), l(rows, 0.f);
+  std::vector<__m512> acc(rows * C, _mm512_setzero_ps());
+  alignas(64) uint32_t kp[D2][16];
+  alignas(64) float vf[16][D];
+  alignas(64) float pa[16];
+  for (int64_t j0 = 0; j0 <= q0; j0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, L - j0);
+    for (int64_t j = 0; j < 16; ++j) {  // keys as pairs [d2][key], values as float32 [key][d]
+      const uint32_t* kr = reinterpret_cast<const uint32_t*>(k + (j0 + j) * ks);
+      const bf16* vr = v + (j0 + j) * vs;
+      for (int d2 = 0; d2 < D2; ++d2) kp[d2][j] = j < nk ? kr[d2] : 0u;
+      for (int d = 0; d < D; ++d) vf[j][d] = j < nk ? to_f(vr[d]) : 0.f;
+    }
+    const bool diag = j0 == q0;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 s4[4];
+      for (int64_t i = 0; i < nq; ++i) {
+        if (i % 4 == 0) {  // four rows' scores at once: four independent vdpbf16ps chains
+          const uint32_t* qr[4];
+          for (int u = 0; u < 4; ++u) {
+            const int64_t row = q0 + std::min<int64_t>(i + u, nq - 1);
+            qr[u] = reinterpret_cast<const uint32_t*>(q + row * qs + g * D);
+            s4[u] = _mm512_setzero_ps();
+          }
+          for (int d2 = 0; d2 < D2; ++d2) {
+            const __m512bh kv = (__m512bh)_mm512_load_si512(kp[d2]);
+            for (int u = 0; u < 4; ++u)
+              s4[u] = _mm512_dpbf16_ps(s4[u], (__m512bh)_mm512_set1_epi32(int(qr[u][d2])), kv);
+          }
+        }
+        __m512 sc = _mm512_mul_ps(s4[i % 4], _mm512_set1_ps(scale));
+        // keys past the query (the diagonal block) or past the prompt weigh nothing
+        const int64_t last = diag ? i : nk - 1;
+        const __mmask16 keep = __mmask16((2u << last) - 1u);
+        sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, sc);
+        const int64_t r = g * nq + i;
+        const float mn = std::max(m[r], _mm512_reduce_max_ps(sc));
+        const float alpha = m[r] == -INFINITY ? 0.f : std::exp(m[r] - mn);
+        const __m512 pv = exp_fma(_mm512_sub_ps(sc, _mm512_set1_ps(mn)));
+        m[r] = mn;
+        l[r] = l[r] * alpha + _mm512_reduce_add_ps(pv);
+        _mm512_store_ps(pa, pv);
+        __m512 a[C];
+        for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(acc[r * C + c], _mm512_set1_ps(alpha));
+        for (int64_t j = 0; j <= last; ++j) {
+          const __m512 pj = _mm512_set1_ps(pa[j]);
+          for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j] + c * 16), a[c]);
+        }
+        for (int c = 0; c < C; ++c) acc[r * C + c] = a[c];
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t r = g * nq + i;
+      const float inv = 1.0f / l[r];
+      for (int c = 0; c < C; ++c)
+        store16(out + (q0 + i) * os + g * D + c * 16,
+                (v16)_mm512_mul_ps(acc[r * C + c], _mm512_set1_ps(inv)));
+    }
+}
+#endif
+
+// out [count * L, H, D] = causal attention of `count` prompts of L tokens each, all from
+// position 0: q [count * L, H, D], k and v [count * L, KVH, D] (rows strided, heads
+// contiguous), bfloat16, head_dim 64 or 128. The fresh-prompt path of the model.
+void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       int64_t L, double scale, const at::Tensor& out) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "prefill_attention takes bfloat16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.stride(2) == 1 &&
+                  q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2) &&
+                  v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "prefill_attention: q, k, v must be [T, heads, D] with contiguous heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2),
+              "prefill_attention: shapes differ");
+  const int64_t T = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2);
+  TORCH_CHECK(L > 0 && T % L == 0, "prefill_attention: ", T, " rows are no whole prompts of ", L);
+  TORCH_CHECK(H % KVH == 0 && (D == 64 || D == 128), "prefill_attention: heads ", H, " over ",
+              KVH, ", head_dim ", D, " (64 or 128)");
+#ifndef __AVX512BF16__
+  TORCH_CHECK(false, "prefill_attention needs a CPU with AVX512-BF16");
+#else
+  const int64_t G = H / KVH, count = T / L, blocks = (L + 15) / 16;
+  const bf16* qp = cptr<bf16>(q);
+  const bf16* kp = cptr<bf16>(k);
+  const bf16* vp = cptr<bf16>(v);
+  bf16* op = mptr<bf16>(out);
+  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), os = H * D;
+  at::parallel_for(0, count * KVH * blocks, 1, [&](int64_t b0, int64_t e0) {
+    for (int64_t t = b0; t < e0; ++t) {
+      // the longest blocks (last positions) first, so threads end together
+      const int64_t qb = blocks - 1 - t % blocks, kh = (t / blocks) % KVH, b = t / blocks / KVH;
+      const bf16* qb0 = qp + b * L * qs + kh * G * D;
+      const bf16* kb0 = kp + b * L * ks + kh * D;
+      const bf16* vb0 = vp + b * L * vs + kh * D;
+      bf16* ob0 = op + b * L * os + kh * G * D;
+      if (D == 64)
+        prefill_block<4>(qb0, qs, kb0, ks, vb0, vs, G, L, qb * 16, float(scale), ob0, os);
+      else
+        prefill_block<8>(qb0, qs, kb0, ks, vb0, vs, G, L, qb * 16, float(scale), ob0, os);
+    }
+  });
+#endif
+}
+
 constexpr int64_t kGemvRows = 8;
 
 bool small_linear_supported() {
@@ -845,6 +973,7 @@ TORCH_LIBRARY(omniflow_engine, m) {
       "Tensor lens, float scale, Tensor(a!) out) -> ()");
   m.def("small_linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
   m.def("small_linear_supported() -> bool", &small_linear_supported);
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, int L, float scale, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(omniflow_engine, CPU, m) {
@@ -855,4 +984,5 @@ TORCH_LIBRARY_IMPL(omniflow_engine, CPU, m) {
   m.impl("write_kv", write_kv);
   m.impl("decode_attention", decode_attention);
   m.impl("small_linear", small_linear);
+  m.impl("prefill_attention", prefill_attention);
 }
