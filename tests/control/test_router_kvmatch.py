@@ -25,6 +25,18 @@ LAYOUT = KVLayout("test/model", 2, 2, 8, "float16", 4)
 CHAIN = block_hashes(LAYOUT.namespace, list(range(4 * 6)), 4)  # 6 blocks
 
 
+async def _agent_holds(index: KVIndex, blocks: int) -> None:
+    """``index`` started, with agent ``agent-n0`` (node n0) holding CHAIN's first ``blocks``
+    in its host tier."""
+    await index.start()
+    await index.register_namespace(LAYOUT)
+    lease = await index.register_owner(
+        OwnerInfo("agent-n0", "n0", "127.0.0.1:7000", OwnerKind.AGENT)
+    )
+    entries = [BlockEntry(LAYOUT.namespace, h, Tier.HOST) for h in CHAIN[:blocks]]
+    await index.snapshot("agent-n0", lease.epoch, entries)
+
+
 async def test_redis_path_answers_under_the_index_prefix(redis_server: RedisProcess) -> None:
     prefix = f"t{uuid.uuid4().hex[:8]}:"
     client = aioredis.Redis.from_url(redis_server.url)
@@ -32,13 +44,7 @@ async def test_redis_path_answers_under_the_index_prefix(redis_server: RedisProc
     router = RedisPrefixIndex(redis_server.url, timeout_s=2.0, key_prefix=prefix)
     other = RedisPrefixIndex(redis_server.url, timeout_s=2.0, key_prefix=f"u{prefix}")
     try:
-        await index.start()
-        await index.register_namespace(LAYOUT)
-        lease = await index.register_owner(
-            OwnerInfo("agent-n0", "n0", "127.0.0.1:7000", OwnerKind.AGENT)
-        )
-        entries = [BlockEntry(LAYOUT.namespace, h, Tier.HOST) for h in CHAIN[:4]]
-        await index.snapshot("agent-n0", lease.epoch, entries)
+        await _agent_holds(index, 4)
 
         owners = await router.match(LAYOUT.namespace, CHAIN)
         assert [(o.owner_id, o.kind, o.node, o.matched_blocks) for o in owners] == [
@@ -90,13 +96,7 @@ async def test_grpc_path_resolves_the_index_once_and_again_after_it_moved(
 
     router = GrpcPrefixIndex(resolve)
     try:
-        await store.start()
-        await store.register_namespace(LAYOUT)
-        lease = await store.register_owner(
-            OwnerInfo("agent-n0", "n0", "127.0.0.1:7000", OwnerKind.AGENT)
-        )
-        entries = [BlockEntry(LAYOUT.namespace, h, Tier.HOST) for h in CHAIN[:3]]
-        await store.snapshot("agent-n0", lease.epoch, entries)
+        await _agent_holds(store, 3)
         for _ in range(3):
             owners = await router.match(LAYOUT.namespace, CHAIN)
             assert [(o.owner_id, o.matched_blocks) for o in owners] == [("agent-n0", 3)]
