@@ -41,22 +41,27 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 
 using bf16 = uint16_t;  // bfloat16 as its bits
 
-inline float to_f(float x) { return x; }
-inline float to_f(bf16 h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+// The bits of ``x`` as a ``To`` of the same size (std::bit_cast before C++20).
+template <typename To, typename From>
+inline To bits(const From& x) {
+  static_assert(sizeof(To) == sizeof(From), "bits: sizes differ");
+  To t;
+  std::memcpy(&t, &x, sizeof(To));
+  return t;
 }
 
-// float -> bfloat16 rounding to nearest even, NaN -> 0x7FC0 (as c10::BFloat16 does).
-inline bf16 to_bf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return bf16(u >> 16);
+// float bits -> bfloat16 bits (in the high half): rounding to nearest even, NaN -> 0x7FC0
+// (as c10::BFloat16 does). U is uint32_t for one value, v16u for 16.
+template <typename U>
+inline U bf_round(U u) {
+  const U r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? U{} + 0x7fc00000u : r;
 }
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 h) { return bits<float>(uint32_t(h) << 16); }
+
+inline bf16 to_bf(float f) { return bf16(bf_round(bits<uint32_t>(f)) >> 16); }
 
 template <typename T>
 inline void store(T* p, float v);
@@ -81,19 +86,10 @@ inline v16 load16(const float* p) {
 inline v16 load16(const bf16* p) {
   v16h h;
   std::memcpy(&h, p, 32);
-  v16u u = __builtin_convertvector(h, v16u) << 16;
-  v16 f;
-  std::memcpy(&f, &u, 64);
-  return f;
+  return bits<v16>(__builtin_convertvector(h, v16u) << 16);
 }
-// bfloat16 rounding of 16 floats (to nearest even, NaN -> 0x7FC0), as their float bits.
-inline v16u round_bits(v16 x) {
-  v16u u;
-  std::memcpy(&u, &x, 64);
-  v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
-  return (r & ~nan) | (nan & 0x7fc00000u);
-}
+// bfloat16 rounding of 16 floats, as their float bits.
+inline v16u round_bits(v16 x) { return bf_round(bits<v16u>(x)); }
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, 64); }
 inline void store16(bf16* p, v16 v) {
@@ -103,12 +99,7 @@ inline void store16(bf16* p, v16 v) {
 
 // 16 values as a result of type T holds them (rounded to bfloat16 for bfloat16).
 inline v16 vrnd(v16 v, float*) { return v; }
-inline v16 vrnd(v16 v, bf16*) {
-  v16u r = round_bits(v);
-  v16 f;
-  std::memcpy(&f, &r, 64);
-  return f;
-}
+inline v16 vrnd(v16 v, bf16*) { return bits<v16>(round_bits(v)); }
 template <typename T>
 inline v16 vround(v16 v) {
   return vrnd(v, static_cast<T*>(nullptr));
@@ -139,10 +130,7 @@ inline v16 vexp(v16 in) {
   p = p * r + 1.6666665459E-1f;
   p = p * r + 5.0000001201E-1f;
   p = p * (r * r) + r + 1.0f;
-  v16u bits = (v16u)((k + 127) << 23);
-  v16 scale;
-  std::memcpy(&scale, &bits, 64);
-  v16 r2 = p * scale;
+  v16 r2 = p * bits<v16>((k + 127) << 23);
   r2 = in > hi ? v16{} + INFINITY : r2;
   return in < lo ? v16{} : r2;
 }
@@ -434,6 +422,15 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
 }
 
+// Page pi of a request's table in a pool of pages of ``page`` values; the next page is asked
+// for while this one is computed.
+template <typename T>
+inline const T* page_rows(const T* cache, const int64_t* table, int64_t pi, int64_t pages,
+                          int64_t page) {
+  if (pi + 1 < pages) prefetch(cache + table[pi + 1] * page, page * int64_t(sizeof(T)));
+  return cache + table[pi] * page;
+}
+
 // Decode attention of one request and one KV head: its G query heads q [G, D] against the
 // first len keys of its pages (table), scores and softmax in float32; out [G, D].
 template <typename T>
@@ -464,11 +461,8 @@ void decode_head(const T* q, int64_t G, int64_t D, const T* kc, const T* vc,
   constexpr bool use_dp = false;
 #endif
   for (int64_t pi = 0; pi < pages; ++pi) {
-    const T* kp = kc + table[pi] * P * D;
+    const T* kp = page_rows(kc, table, pi, pages, P * D);
     const int64_t n = std::min(P, len - pi * P);
-    if (pi + 1 < pages) {  // the next page's keys while this one is computed
-      prefetch(kc + table[pi + 1] * P * D, P * D * int64_t(sizeof(T)));
-    }
     int64_t j = 0;
     for (; j + 16 <= n && (pi * P + j) % 16 == 0; j += 16) {
       for (int64_t jj = 0; jj < 16; ++jj) {  // each key loaded once for the G heads
@@ -553,11 +547,8 @@ void decode_head_fixed(const T* q, const T* kc, const T* vc, const int64_t* tabl
   const float qscale = dp ? scale : 1.0f;
   const int64_t pages = (len + P - 1) / P;
   for (int64_t pi = 0; pi < pages; ++pi) {
-    const T* kp = kc + table[pi] * P * D;
+    const T* kp = page_rows(kc, table, pi, pages, P * D);
     const int64_t n = std::min(P, len - pi * P);
-    if (pi + 1 < pages) {  // the next page's keys while this one is computed
-      prefetch(kc + table[pi + 1] * P * D, P * D * int64_t(sizeof(T)));
-    }
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
       v16 part[G][16];
@@ -601,11 +592,8 @@ void decode_head_fixed(const T* q, const T* kc, const T* vc, const int64_t* tabl
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = v16{};
   for (int64_t pi = 0; pi < pages; ++pi) {
-    const T* vp = vc + table[pi] * P * D;
+    const T* vp = page_rows(vc, table, pi, pages, P * D);
     const int64_t n = std::min(P, len - pi * P);
-    if (pi + 1 < pages) {
-      prefetch(vc + table[pi + 1] * P * D, P * D * int64_t(sizeof(T)));
-    }
     for (int64_t j = 0; j < n; ++j) {
       const T* vr = vp + j * D;
       const int64_t t = pi * P + j;
