@@ -3,6 +3,7 @@ the blocks echo TEST workers publish to the KV index, and the load-only fallback
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import grpc
@@ -71,6 +72,18 @@ async def test_proxy_kv_aware_and_stats(cluster):
         await router.ReportOutcome(
             router_pb2.ReportOutcomeRequest(worker_id=owner.worker_id, success=True)
         )
+        # The echo worker publishes its blocks to the index after its reply: wait for them
+        # (each try a pick, its outcome reported, so the router's load stays level).
+        tries = 0
+        for _ in range(200):
+            tries += 1
+            probe = await router.Pick(_kv_pick(hashes))
+            await router.ReportOutcome(
+                router_pb2.ReportOutcomeRequest(worker_id=probe.worker.worker_id, success=True)
+            )
+            if probe.reachable_blocks == len(hashes):
+                break
+            await asyncio.sleep(0.05)
         for _ in range(4):
             again = await router.Pick(_kv_pick(hashes))
             assert again.worker.worker_id == owner.worker_id
@@ -79,7 +92,7 @@ async def test_proxy_kv_aware_and_stats(cluster):
                 router_pb2.ReportOutcomeRequest(worker_id=owner.worker_id, success=True)
             )
         stats = await router.GetStats(router_pb2.GetStatsRequest())
-        assert stats.counters["pick_kv_aware"] == 5
+        assert stats.counters["pick_kv_aware"] == 1 + tries + 4
         assert "kv_fallback_error" not in stats.counters
         assert set(stats.breakers.values()) == {"closed"}
 
