@@ -77,6 +77,22 @@ class Omniflow:
     models: dict[str, str] = field(default_factory=dict)
 
 
+def vllm_import_path(folder: Path) -> dict[str, str]:
+    """A ``PYTHONPATH`` under which vLLM's virtualenv imports omniflow from this checkout,
+    whatever checkout its editable install names (one made in another folder points there,
+    or at nothing): ``omniflow`` and ``omniflow_services`` linked in ``folder``."""
+    root = Path(__file__).resolve().parents[1]
+    folder.mkdir(exist_ok=True)
+    for name, target in (
+        ("omniflow", root / "libs/omniflow"),
+        ("omniflow_services", root / "services"),
+    ):
+        link = folder / name
+        if not link.is_symlink():
+            link.symlink_to(target)
+    return {"PYTHONPATH": str(folder)}
+
+
 def start_omniflow(
     procs: Procs,
     folder: Path,
@@ -116,6 +132,7 @@ def start_omniflow(
                                "scripts/setup_vllm_venv.sh")  # fmt: skip
         python = str(vllm_python)
         extra = {"OMNIFLOW_WORKER_ENGINE": "vllm", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        extra |= vllm_import_path(procs.dir / "pythonpath")
     workers: list[dict] = []
     models: dict[str, str] = {}
     for node in nodes:
