@@ -164,6 +164,8 @@ def start_omniflow(
             "OMNIFLOW_KV_AGENT_ADDR": agent,
             "OMNIFLOW_WORKER_TORCH_THREADS": str(threads),
             "OMP_NUM_THREADS": str(threads),
+            # The nodes share this machine: a vLLM worker binds cores only when alone on it.
+            "OMNIFLOW_NODE_TORCH_WORKERS": str(len(nodes) * llm_workers),
         }
         names = [f"llm{suffix}"] if suffix else [f"llm-{k + 1}" for k in range(llm_workers)]
         for name in names:
