@@ -20,8 +20,9 @@ each: every system shares its cores with them alike.
 Every system runs in a process of its own on the same prompts, started once per dtype; then
 each level runs ``--rounds`` times per system, the systems taking turns (a slow minute of a
 shared machine hits them alike), and each system's best run is kept. ``--baseline REF``
-adds the engine package as it was at git ``REF`` (exported into a temporary folder that
-shadows the installed one): before/after in the same run.
+adds the worker package (the engine and what it imports) as it was at git ``REF``
+(exported into a temporary folder that shadows the installed one): before/after in the
+same run.
 """
 
 from __future__ import annotations
@@ -206,17 +207,17 @@ def start_system(
     pkg = repo / "services"
     if ref:
         tree = subprocess.run(
-            ["git", "-C", str(repo), "archive", ref, "services/worker/engine"],
+            ["git", "-C", str(repo), "archive", ref, "services/worker"],
             capture_output=True,
             check=True,
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(tmp)], input=tree, check=True)
-        # services/ is the omniflow_services package; shadow only the engine subpackage.
+        # services/ is the omniflow_services package; shadow the worker package as of ``ref``
+        # (the engine imports the worker's llm interface package beside it).
         pkg = tmp / "omniflow_services"
-        (pkg / "worker").mkdir(parents=True)
-        (tmp / "services/worker/engine").rename(pkg / "worker/engine")
-        for init in (pkg / "__init__.py", pkg / "worker/__init__.py"):
-            init.write_text("")
+        pkg.mkdir()
+        (tmp / "services/worker").rename(pkg / "worker")
+        (pkg / "__init__.py").write_text("")
         env["PYTHONPATH"] = str(tmp)
     job = {
         "system": system,
