@@ -13,6 +13,7 @@ the load average before and after.
 
     python bench/prefill_vs_vllm.py                                  # 264 tokens, 2 then 1 thread
     python bench/prefill_vs_vllm.py --prompt-lens 256,512,1024 --threads 1 --repeats 10
+    python bench/prefill_vs_vllm.py --prompt-lens 1024 --threads 1 --budget 512  # chunked
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 top = max(len(p) for p in job["prompts"].values())
 llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=top + 16, seed=0,
-          enable_prefix_caching=False, max_num_seqs=1, max_num_batched_tokens=max(top, 2048))
+          enable_prefix_caching=False, max_num_seqs=1,
+          max_num_batched_tokens=job["budget"] or max(top, 2048))
 sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 def go(p):
     c, t = time.process_time(), time.perf_counter()
@@ -63,7 +65,7 @@ from omniflow_services.worker.engine import Engine, EngineConfig, GenerateReques
 from omniflow_services.worker.engine import SamplingParams
 top = max(len(p) for p in job["prompts"].values())
 cfg = EngineConfig(dtype=job["dtype"], num_pages=top // 16 + 8, enable_prefix_cache=False,
-                   max_num_batched_tokens=max(top, 2048), adapt_threads=False)
+                   max_num_batched_tokens=job["budget"] or max(top, 2048), adapt_threads=False)
 e = Engine(job["model"], cfg)
 sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 n = 0
@@ -103,6 +105,7 @@ def start(args: argparse.Namespace, system: str, threads: int, prompts: dict) ->
         "prompts": {str(k): v for k, v in prompts.items()},
         "threads": threads,
         "cores": cores,
+        "budget": args.budget,
     }
     env = dict(os.environ)
     if system == "engine":
@@ -128,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="2,1", help="thread counts, one pair of runs each")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM)
+    ap.add_argument(
+        "--budget", type=int, default=0, help="tokens per step, both (0: the whole prompt)"
+    )
     ap.add_argument("--skip-vllm", action="store_true")
     args = ap.parse_args(argv)
     if not (args.model / "config.json").is_file():
