@@ -4,8 +4,9 @@
 // rounds where transformers rounds: a bfloat16 product or sum is rounded to bfloat16 before
 // the next op uses it, so results stay those of transformers' modules. Built on first use
 // by kernels.py (torch.utils.cpp_extension, -O3 -march=native -ffp-contract=off: no fused
-// multiply-adds the torch ops would not do); work is split over torch's own thread pool
-// (at::parallel_for), never a second OpenMP pool.
+// multiply-adds the torch ops would not do; -fopenmp, without which at::parallel_for runs
+// serially); work is split over torch's own thread pool (at::parallel_for, torch's libgomp),
+// never a second OpenMP pool.
 //
 //   rms_norm(x, w, eps, out)              out = w * norm(x)
 //   add_rms_norm(h, d, w, eps, out)       h = h + d (in place); out = w * norm(h)

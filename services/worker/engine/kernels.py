@@ -32,7 +32,11 @@ from omniflow_services.worker.engine.config import KERNELS as CHOICES
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
+# -fopenmp: at::parallel_for is an inline OpenMP region in torch's headers, compiled only
+# with it (without, every kernel ran on one thread whatever torch's thread count); the
+# extension links libgomp.so.1 by its soname, which resolves to the copy torch has already
+# loaded, so the kernels share torch's one OpenMP pool.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -80,6 +84,7 @@ def load() -> bool:
                 name="omniflow_engine_kernels",
                 sources=[str(SOURCE)],
                 extra_cflags=FLAGS,
+                extra_ldflags=["-fopenmp"],
                 build_directory=str(where),
                 is_python_module=False,
                 verbose=False,
