@@ -29,8 +29,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_vs_vllm import DEFAULT_MODEL, DEFAULT_VLLM, Peer, bound_cores
 
-# Runs inside the vLLM virtualenv: argv[1] is a JSON job; one RESULT line per prompt length.
-VLLM_SCRIPT = r"""
+# Both scripts end the same way: warm up on every prompt, then time the one named per line.
+SERVE = r"""
+for p in job["prompts"].values():
+    go(p)
+print("READY", flush=True)
+for line in sys.stdin:
+    if line.strip() == "quit":
+        break
+    print("RESULT " + json.dumps(go(job["prompts"][line.strip()])), flush=True)
+"""
+
+VLLM_SCRIPT = (
+    r"""
 import json, sys, time
 job = json.loads(sys.argv[1])
 from vllm import LLM, SamplingParams
@@ -45,17 +56,13 @@ def go(p):
     out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     return {"wall": wall, "cpu": cpu, "token": out[0].outputs[0].token_ids[0]}
-for p in job["prompts"].values():
-    go(p)
-print("READY", flush=True)
-for line in sys.stdin:
-    if line.strip() == "quit":
-        break
-    print("RESULT " + json.dumps(go(job["prompts"][line.strip()])), flush=True)
 """
+    + SERVE
+)
 
 # Our engine, in a process of its own bound like vLLM's threads.
-ENGINE_SCRIPT = r"""
+ENGINE_SCRIPT = (
+    r"""
 import json, os, sys, time, torch
 job = json.loads(sys.argv[1])
 if job["cores"]:
@@ -80,14 +87,9 @@ def go(p):
             toks.extend(o.new_token_ids)
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     return {"wall": wall, "cpu": cpu, "token": toks[0]}
-for p in job["prompts"].values():
-    go(p)
-print("READY", flush=True)
-for line in sys.stdin:
-    if line.strip() == "quit":
-        break
-    print("RESULT " + json.dumps(go(job["prompts"][line.strip()])), flush=True)
 """
+    + SERVE
+)
 
 
 def prompt_of(length: int, vocab: int) -> list[int]:
