@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from omniflow.api.coordinator.v1 import coordinator_pb2 as cpb
 from omniflow.api.coordinator.v1 import coordinator_pb2_grpc
@@ -100,6 +100,14 @@ async def _discovered() -> list[str]:
     finally:
         with contextlib.suppress(Exception):
             await registry.close()
+
+
+class RunOptions(TypedDict, total=False):
+    """How ``submit``, ``stream`` and ``run`` start a run; each is left out by default."""
+
+    version: int  # the workflow version; 0 (default): the latest
+    deadline_ms: int  # 0 (default): the workflow's own
+    run_id: str  # a client-chosen id; "" (default): one is made for the submission
 
 
 @dataclass(slots=True)
@@ -214,43 +222,32 @@ class Client:
     # -- runs
     @staticmethod
     def _request(
-        workflow: str, inputs: Mapping[str, Any], version: int, deadline_ms: int, run_id: str
+        workflow: str, inputs: Mapping[str, Any], options: RunOptions
     ) -> cpb.SubmitRunRequest:
-        return cpb.SubmitRunRequest(
+        # The options are the request's fields of the same names (a misspelt one fails here).
+        req = cpb.SubmitRunRequest(
             workflow=workflow,
-            version=version,
             inputs={k: from_python(v, f"input {k!r}") for k, v in inputs.items()},
-            deadline_ms=deadline_ms,
-            # Made here: a submission retried on another coordinator is the same run.
-            run_id=run_id or uuid.uuid4().hex,
+            **options,
         )
+        # Made here: a submission retried on another coordinator is the same run.
+        req.run_id = req.run_id or uuid.uuid4().hex
+        return req
 
     async def submit(
-        self,
-        workflow: str,
-        inputs: Mapping[str, Any],
-        *,
-        version: int = 0,
-        deadline_ms: int = 0,
-        run_id: str = "",
+        self, workflow: str, inputs: Mapping[str, Any], **options: Unpack[RunOptions]
     ) -> str:
         """Start a run; returns its id at once."""
-        req = self._request(workflow, inputs, version, deadline_ms, run_id)
+        req = self._request(workflow, inputs, options)
         return str((await self._call("SubmitRun", req)).run_id)
 
     async def stream(
-        self,
-        workflow: str,
-        inputs: Mapping[str, Any],
-        *,
-        version: int = 0,
-        deadline_ms: int = 0,
-        run_id: str = "",
+        self, workflow: str, inputs: Mapping[str, Any], **options: Unpack[RunOptions]
     ) -> AsyncIterator[cpb.RunEvent]:
         """Start a run and yield its events until it finishes (across coordinators)."""
-        req = self._request(workflow, inputs, version, deadline_ms, run_id)
+        req = self._request(workflow, inputs, options)
         # The stream lasts as long as the run: the run's own deadline (plus slack) bounds it.
-        timeout = deadline_ms / 1000 + 10 if deadline_ms else STREAM_TIMEOUT_S
+        timeout = req.deadline_ms / 1000 + 10 if req.deadline_ms else STREAM_TIMEOUT_S
         seen = 0
         try:
             async for event in self._stub.RunWorkflow(req, timeout=timeout):
@@ -299,13 +296,12 @@ class Client:
         workflow: str,
         inputs: Mapping[str, Any],
         *,
-        version: int = 0,
-        deadline_ms: int = 0,
         on_event: Callable[[cpb.RunEvent], None] | None = None,
+        **options: Unpack[RunOptions],
     ) -> RunResult:
         """Run to the end; returns the result (a failed run is a result, not an error)."""
         events: list[cpb.RunEvent] = []
-        async for event in self.stream(workflow, inputs, version=version, deadline_ms=deadline_ms):
+        async for event in self.stream(workflow, inputs, **options):
             events.append(event)
             if on_event is not None:
                 on_event(event)

@@ -5,22 +5,13 @@ from __future__ import annotations
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.router.v1 import router_pb2
 from omniflow.errors import InvalidArgument
+from omniflow.records import build
 from omniflow.workers import WorkerRecord
 
 
 def worker_info(w: WorkerRecord, healthy: bool = True) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(
-        worker_id=w.worker_id,
-        role=w.role,
-        address=w.address,
-        node=w.node,
-        model=w.model,
-        kv_namespace=w.kv_namespace,  # deprecated: the hex, for one release
-        kv_namespace_id=w.namespace_id,
-        operations=list(w.operations),
-        metadata=w.metadata,
-        healthy=healthy,
-    )
+    # kv_namespace (the deprecated hex) is copied as it is, for one release.
+    return build(common_pb2.WorkerInfo, w, kv_namespace_id=w.namespace_id, healthy=healthy)
 
 
 def strategy_name(value: int, default: str) -> str:

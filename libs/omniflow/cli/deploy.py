@@ -32,16 +32,10 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 def run(args: argparse.Namespace) -> int:
     from omniflow.deploy.k8s import K8sOptions, header, render, to_yaml
     from omniflow.deploy.topology import load_topology
+    from omniflow.records import build
 
     topology = load_topology(args.topology)
-    opts = K8sOptions(
-        namespace=args.namespace,
-        image_prefix=args.image_prefix,
-        tag=args.tag,
-        redis_image=args.redis_image,
-        storage_class=args.storage_class,
-        pki_dir=args.pki,
-    )
+    opts = build(K8sOptions, args, pki_dir=args.pki)  # each flag is the option of its name
     text = header(topology, opts) + to_yaml(render(topology, opts))
     if args.out:
         args.out.write_text(text)

@@ -27,6 +27,7 @@ the agent address from ``address`` or CONSUL_HTTP_ADDR.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -109,7 +110,7 @@ class ConsulRegistry(Registry):
             raise InvalidArgument("timeout_s, watch_wait_s and grpc_interval_s must be > 0")
         common = load_settings(CommonSettings)
         address = address or common.consul_addr or "127.0.0.1:8500"
-        self._scheme, self._host, self._port = _parse_agent_address(address)
+        scheme, host, port = _parse_agent_address(address)
         self._address = address
         # An explicit token wins; py-consul itself would prefer the environment's.
         self._token = token or common.consul_token or None
@@ -117,27 +118,25 @@ class ConsulRegistry(Registry):
         self._grpc_interval_s = grpc_interval_s
         self._grpc_service = grpc_service
         self._reap_after_s = deregister_critical_after_s
-        self._dc = datacenter
         self._timeout_s = timeout_s
         self._watch_wait_s = watch_wait_s
-        self._verify = verify
+        # The one client for calls, and one more per watch (a blocking query holds its own).
+        self._new_client: Callable[[], consul.Consul] = functools.partial(
+            consul.Consul,
+            host=host,
+            port=port,
+            scheme=scheme,
+            token=self._token,
+            dc=datacenter,
+            verify=verify,
+            connections_timeout=timeout_s,
+        )
         self._client = self._new_client()
         # requests.Session is not documented thread-safe: one call at a time per client.
         self._client_lock = threading.Lock()
         self._alive = KeepAlive("consul")
         # Blocking queries park a thread for up to watch_wait_s each.
         self._watch_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="consul-watch")
-
-    def _new_client(self) -> consul.Consul:
-        return consul.Consul(
-            host=self._host,
-            port=self._port,
-            scheme=self._scheme,
-            token=self._token,
-            dc=self._dc,
-            verify=self._verify,
-            connections_timeout=self._timeout_s,
-        )
 
     async def _call(
         self,

@@ -18,6 +18,7 @@ from omniflow.errors import InvalidArgument
 from omniflow.kv.blocks import HASH_BYTES, BlockIdentityError, KVLayout
 from omniflow.kv.blocks import check_hashes as check_hashes  # the servers' import
 from omniflow.kv.events import Tier
+from omniflow.records import build
 
 
 def tier_to_proto(tier: Tier) -> int:
@@ -32,29 +33,13 @@ def tier_from_proto(value: int, what: str = "tier") -> Tier:
 
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
-    return common_pb2.KVLayout(
-        model_id=layout.model_id,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        dtype=layout.dtype,
-        page_size=layout.page_size,
-        lora_id=layout.lora_id,
-    )
+    return build(common_pb2.KVLayout, layout)
 
 
 def layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
     """A KVLayout; missing or bad fields are InvalidArgument naming the field."""
     try:
-        return KVLayout(
-            model_id=msg.model_id,
-            num_layers=msg.num_layers,
-            num_kv_heads=msg.num_kv_heads,
-            head_dim=msg.head_dim,
-            dtype=msg.dtype or "float32",
-            page_size=msg.page_size,
-            lora_id=msg.lora_id,
-        )
+        return build(KVLayout, msg, dtype=msg.dtype or "float32")
     except BlockIdentityError as exc:
         raise InvalidArgument(f"layout: {exc}") from None
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from omniflow.errors import InvalidArgument
 from omniflow.models.tiny import ARCHS, make_tiny
 from omniflow.models.tiny_mm import MM_KINDS, make_tiny_kind
+from omniflow.records import build
 
 
 def add_make_tiny_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,22 +51,12 @@ def run_make_tiny(args: argparse.Namespace) -> int:
     if args.arch in MM_KINDS:
         print(make_tiny_kind(args.arch, args.out, seed=args.seed))
         return 0
-    path = make_tiny(
-        args.arch,
-        args.out,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        vocab=args.vocab,
-        intermediate=args.intermediate,
-        max_position=args.max_position,
-        rope_theta=args.rope_theta,
+    # Every size flag is make_tiny's parameter of the same name.
+    path = build(
+        make_tiny,
+        args,
+        out_dir=args.out,
         rope_scaling=json.loads(args.rope_scaling) if args.rope_scaling else None,
-        tie_embeddings=args.tie_embeddings,
-        dtype=args.dtype,
-        seed=args.seed,
-        shards=args.shards,
     )
     print(path)
     for kind in [k.strip() for k in args.also.split(",") if k.strip()]:
