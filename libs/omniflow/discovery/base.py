@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 import re
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
-from omniflow.errors import InvalidArgument, Unavailable
+from omniflow.errors import InvalidArgument, OmniflowError, Unavailable
+
+log = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
 
 # Names end up in Redis keys, Consul ids and file keys: keep them to a safe alphabet
 # (no ':' so that a Redis key splits unambiguously, no '/' for Consul's URL paths).
@@ -118,7 +123,7 @@ def sorted_instances(instances: list[ServiceInstance]) -> list[ServiceInstance]:
 
 class KeepAlive:
     """The registrations a TTL backend keeps alive: each instance with its TTL, and the
-    background task that refreshes it (shared by the Redis and Consul backends)."""
+    background task that refreshes it (a ``TTLRegistry``'s ``_alive``)."""
 
     def __init__(self, backend: str) -> None:
         self._backend = backend
@@ -216,3 +221,37 @@ class Registry(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+class TTLRegistry(Registry):
+    """A registry whose registrations lapse unless kept alive (the Redis and Consul
+    backends): their keep-alive state, the checks each call starts with, and the reading
+    of the records the backend lists."""
+
+    def __init__(self, backend: str) -> None:
+        self._backend = backend
+        self._alive = KeepAlive(backend)
+
+    def _opened(self, kind: str, name: str) -> str:
+        """``name``, once the registry is known to be open and ``name`` a valid ``kind``."""
+        self._alive.check_open()
+        return check_name(kind, name)
+
+    def _instances(
+        self, service: str, records: Iterable[_R], parse: Callable[[_R], ServiceInstance]
+    ) -> list[ServiceInstance]:
+        """What ``parse`` makes of each record, in canonical order. A record that does not
+        parse (another tool writing our keys, an odd agent entry) is logged and skipped: one
+        bad record must not hide the rest."""
+        out = []
+        for record in records:
+            try:
+                out.append(parse(record))
+            except (KeyError, TypeError, ValueError, OmniflowError) as exc:
+                log.warning(
+                    "%s discovery: skipping a bad record of service %s: %s",
+                    self._backend,
+                    service,
+                    exc,
+                )
+        return sorted_instances(out)

@@ -40,15 +40,8 @@ import requests
 
 from omniflow.backoff import Backoff
 from omniflow.config import CommonSettings, load_settings
-from omniflow.discovery.base import (
-    DiscoveryError,
-    KeepAlive,
-    Registry,
-    ServiceInstance,
-    check_name,
-    sorted_instances,
-)
-from omniflow.errors import InvalidArgument, OmniflowError
+from omniflow.discovery.base import DiscoveryError, ServiceInstance, TTLRegistry
+from omniflow.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +80,7 @@ def _to_instance(entry: dict[str, Any]) -> ServiceInstance:
     )
 
 
-class ConsulRegistry(Registry):
+class ConsulRegistry(TTLRegistry):
     """Registry on a Consul agent (see the module docstring)."""
 
     def __init__(
@@ -108,6 +101,7 @@ class ConsulRegistry(Registry):
             raise InvalidArgument(f"bad consul check kind {check!r}: accepted 'ttl', 'grpc'")
         if timeout_s <= 0 or watch_wait_s <= 0 or grpc_interval_s <= 0:
             raise InvalidArgument("timeout_s, watch_wait_s and grpc_interval_s must be > 0")
+        super().__init__("consul")
         common = load_settings(CommonSettings)
         address = address or common.consul_addr or "127.0.0.1:8500"
         scheme, host, port = _parse_agent_address(address)
@@ -134,7 +128,6 @@ class ConsulRegistry(Registry):
         self._client = self._new_client()
         # requests.Session is not documented thread-safe: one call at a time per client.
         self._client_lock = threading.Lock()
-        self._alive = KeepAlive("consul")
         # Blocking queries park a thread for up to watch_wait_s each.
         self._watch_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="consul-watch")
 
@@ -251,8 +244,7 @@ class ConsulRegistry(Registry):
         self._alive.keep(instance, ttl_s, refresh)
 
     async def deregister(self, instance_id: str) -> None:
-        self._alive.check_open()
-        check_name("instance id", instance_id)
+        self._opened("instance id", instance_id)
         self._alive.forget(instance_id)
         # A 404 (unknown id) comes back as False: nothing to remove, which is fine.
         await self._call(
@@ -270,25 +262,17 @@ class ConsulRegistry(Registry):
             wait=_go_duration(wait_s) if wait_s else None,
             token=self._token,
         )
-        out = []
-        for entry in entries or []:
-            try:
-                out.append(_to_instance(entry))
-            except (KeyError, TypeError, OmniflowError) as exc:
-                log.warning("skipping odd consul entry for %s: %s", service, exc)
-        return str(index_out), sorted_instances(out)
+        return str(index_out), self._instances(service, entries or [], _to_instance)
 
     async def list(self, service: str) -> list[ServiceInstance]:
-        self._alive.check_open()
-        check_name("service name", service)
+        self._opened("service name", service)
         _, instances = await self._call(
             f"list {service}", lambda: self._health(self._client, service, None, None)
         )
         return instances
 
     async def watch(self, service: str) -> AsyncIterator[list[ServiceInstance]]:
-        self._alive.check_open()
-        check_name("service name", service)
+        self._opened("service name", service)
         # A blocking query holds its connection for up to watch_wait_s: own client and lock.
         client, lock = self._new_client(), threading.Lock()
         wait_s = self._watch_wait_s

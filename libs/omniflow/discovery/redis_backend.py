@@ -35,15 +35,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from omniflow.discovery.base import (
-    DiscoveryError,
-    KeepAlive,
-    Registry,
-    ServiceInstance,
-    check_name,
-    sorted_instances,
-)
-from omniflow.errors import InvalidArgument, OmniflowError
+from omniflow.discovery.base import DiscoveryError, ServiceInstance, TTLRegistry
+from omniflow.errors import InvalidArgument
 from omniflow.localredis import redis_client
 
 log = logging.getLogger(__name__)
@@ -75,7 +68,7 @@ def _redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
-class RedisRegistry(Registry):
+class RedisRegistry(TTLRegistry):
     """Registry on a Redis server (see the module docstring for the key layout)."""
 
     def __init__(
@@ -90,6 +83,7 @@ class RedisRegistry(Registry):
             raise InvalidArgument("timeout_s and poll_interval_s must be > 0")
         if not prefix or any(c in prefix for c in "*?[] "):
             raise InvalidArgument(f"bad key prefix {prefix!r}: must be non-empty, no glob chars")
+        super().__init__("redis")
         self._url = url
         self._prefix = prefix
         self._timeout_s = timeout_s
@@ -98,7 +92,6 @@ class RedisRegistry(Registry):
         # connection is stale once: reconnect and retry. All our writes are idempotent.
         self._redis: aioredis.Redis = redis_client(url, timeout_s, decode_responses=True)
         self._list_script = self._redis.register_script(_LIST_SCRIPT)
-        self._alive = KeepAlive("redis")
         self._pubsubs: set[Any] = set()
 
     # -- keys -----------------------------------------------------------------
@@ -176,8 +169,7 @@ class RedisRegistry(Registry):
         return await self._run(f"lookup of {instance_id}", scan())
 
     async def deregister(self, instance_id: str) -> None:
-        self._alive.check_open()
-        check_name("instance id", instance_id)
+        self._opened("instance id", instance_id)
         known = self._alive.forget(instance_id)
         services = [known[0].service] if known else await self._find_service(instance_id)
         for service in services:
@@ -188,22 +180,16 @@ class RedisRegistry(Registry):
             await self._run(f"deregister {service}/{instance_id}", pipe.execute())
 
     async def list(self, service: str) -> list[ServiceInstance]:
-        self._alive.check_open()
-        check_name("service name", service)
+        self._opened("service name", service)
         raw = await self._run(
             f"list {service}",
             self._list_script(
                 keys=[self._index_key(service)], args=[f"{self._prefix}:svc:{service}:"]
             ),
         )
-        out = []
-        for item in raw:
-            try:
-                out.append(ServiceInstance.from_dict(json.loads(item)))
-            except (ValueError, OmniflowError) as exc:
-                # One bad record (another tool writing our keys) must not hide the rest.
-                log.warning("skipping bad registration in service %s: %s", service, exc)
-        return sorted_instances(out)
+        return self._instances(
+            service, raw, lambda item: ServiceInstance.from_dict(json.loads(item))
+        )
 
     async def _wait_for_notice(self, pubsub: Any, timeout_s: float) -> None:
         """Return on the first change notice, or after ``timeout_s`` without one."""
@@ -220,8 +206,7 @@ class RedisRegistry(Registry):
                 return
 
     async def watch(self, service: str) -> AsyncIterator[list[ServiceInstance]]:
-        self._alive.check_open()
-        check_name("service name", service)
+        self._opened("service name", service)
         pubsub = self._redis.pubsub()
         self._pubsubs.add(pubsub)
         try:
