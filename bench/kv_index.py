@@ -35,9 +35,9 @@ from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.kv.events import BlockEntry, BlockEvent, EventKind, Tier
 from omniflow.kv.index_store import KVIndex, OwnerInfo, OwnerMatch
 from omniflow.localredis import redis_client, start_redis
+from omniflow.routing.table import WorkerTable
 from omniflow.testing.redis_cluster import local_cluster, missing_reason
 from omniflow.workers import WorkerRecord
-from omniflow_services.router.core import WorkerTable
 
 LOAD_LEASE_MS = 3_600_000
 LAYOUT = KVLayout("bench/model", 16, 8, 64, "bfloat16", 16)

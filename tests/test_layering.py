@@ -66,7 +66,7 @@ def test_the_walk_sees_imports_inside_functions() -> None:
     assert "omniflow.discovery.redis_backend" in found  # imported inside make_registry
     assert "omniflow.discovery.base" in found
     found = {m for _, m in imported_modules(SERVICES / "router" / "server.py")}
-    assert "omniflow_services.router.core" in found
+    assert "omniflow_services.router.metrics" in found
 
 
 def test_the_library_imports_no_service() -> None:
@@ -232,10 +232,10 @@ def test_the_arrows_between_service_modules_stay_inside_each_service(
     from service_arrows import arrows, main
 
     found = arrows()
-    assert ("services/router/server.py", "services/router/core.py") in found
+    assert ("services/router/server.py", "services/router/metrics.py") in found
     across = [f"{a} -> {b}" for a, b in found if Path(a).parts[1] != Path(b).parts[1]]
     assert not across, "arrows into another service:\n" + "\n".join(across)
     assert main(["router"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert "services/router/server.py -> services/router/core.py" in printed
+    assert "services/router/server.py -> services/router/metrics.py" in printed
     assert all(line.startswith("services/router/") for line in printed)

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import Counter, Histogram
 
 from omniflow import telemetry
+from omniflow.routing.table import PickResult, WorkerTable
 from omniflow.telemetry import Sample
-from omniflow_services.router.core import PickResult, WorkerTable
 
 PICKS = Counter(
     "omniflow_router_picks_total",

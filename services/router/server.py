@@ -25,17 +25,16 @@ from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.convert import strategy_name, strategy_value, worker_info
 from omniflow.discovery import find_address
 from omniflow.errors import InvalidArgument, OmniflowError, Unavailable
-from omniflow.kv.index_store import OwnerMatch
 from omniflow.kv.wire import read_namespace
+from omniflow.routing.picker import Picker
+from omniflow.routing.table import PickResult
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel, remaining_s
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.security.tenancy import scoped_id
-from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
+from omniflow.workers import WorkerRecord
 from omniflow_services.router import metrics
 from omniflow_services.router.config import RouterSettings
-from omniflow_services.router.core import PickResult, WorkerTable
-from omniflow_services.router.kvmatch import GrpcPrefixIndex, PrefixIndex, RedisPrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +109,6 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     ) -> router_pb2.GetStatsResponse:
         table = self.app.table
         return router_pb2.GetStatsResponse(counters=table.counters, breakers=table.breakers())
-
-
-def _acknowledged(node: str, blocks: int) -> OwnerMatch:
-    """The agent of ``node`` as holding all ``blocks`` in its host tier: the caller knows it
-    acknowledged storing them (a prefill_only reply), though the index may not say so yet."""
-    return OwnerMatch(f"acknowledged@{node}", node, "", "agent", blocks, (0, blocks, 0))
 
 
 def _header(context: grpc.aio.ServicerContext, key: str) -> str:
@@ -257,22 +250,18 @@ class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
 
 
 class RouterApp(ServiceApp):
-    """Watches workers in discovery, polls their load; answers Pick and proxies calls."""
+    """Watches workers in discovery, polls their load; answers Pick and proxies calls (the
+    pick policy is the library's ``omniflow.routing.picker.Picker``)."""
 
     name = "router"
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self.table = WorkerTable(
-            breaker_threshold=settings.breaker_threshold,
-            breaker_cooldown_s=settings.breaker_cooldown_s,
-            link_gbps=settings.link_gbps,
-            prefill_tokens_s=settings.prefill_tokens_s,
-        )
+        self.picker = Picker(settings)
+        self.table = self.picker.table
         self.runtime: Runtime | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._channels: dict[str, TracedChannel] = {}
-        self.index: PrefixIndex | None = None
         self._unwatch = metrics.watch(self.table)
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
@@ -285,20 +274,13 @@ class RouterApp(ServiceApp):
 
     async def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        way = self.settings.kv_index
-        if way == "auto":  # the index's own Redis when this router has it: one round trip
-            way = "redis" if self.settings.redis_url else "grpc"
-        if way == "grpc":
-            self.index = GrpcPrefixIndex(self._index_address)
-        elif way == "redis":
-            s = self.settings
-            self.index = RedisPrefixIndex(s.redis_url, s.kv_index_timeout_s, s.kv_key_prefix)
+        self.picker.open_index(self._index_address)
         first = asyncio.get_running_loop().create_future()
-        self._tasks.append(asyncio.create_task(self._follow(runtime, first)))
+        self._tasks.append(asyncio.create_task(self.picker.follow(runtime.registry, first)))
         # SERVING only once the first listing of workers is in.
         await asyncio.wait_for(first, timeout=self.settings.call_timeout_s)
         if self.settings.health_interval_s > 0:
-            self._tasks.append(asyncio.create_task(self._poll_health()))
+            self._tasks.append(asyncio.create_task(self.picker.poll_health(self._queue_of)))
 
     async def _index_address(self) -> str:
         assert self.runtime is not None
@@ -322,72 +304,28 @@ class RouterApp(ServiceApp):
         temperature: float = 0.0,
         stored_node: str = "",
     ) -> PickResult:
-        """One worker for a call; for kv_aware, ``stored_node`` names a node whose agent
-        already acknowledged every block of ``hashes`` (counted before the index knows)."""
+        """One worker for a call (``Picker.pick``); ``strategy_enum`` 0: the role's default."""
         if not role:
             raise InvalidArgument("role is required (e.g. 'llm', 'encoder', 'diffusion')")
         started = time.perf_counter()
         strategy = strategy_name(strategy_enum, self.settings.strategy_for(role))
-        reach, fallback = None, ""
-        if strategy == "kv_aware":
-            reach, fallback = await self._match(namespace, hashes or [])
-            if stored_node and hashes:
-                reach = [*(reach or []), _acknowledged(stored_node, len(hashes))]
-        result = self.table.pick(
+        result = await self.picker.pick(
             role,
             strategy,
-            exclude,
-            operation,
+            exclude=exclude,
+            operation=operation,
             session_key=session_key,
-            reach=reach,
-            prompt_blocks=len(hashes or []),
-            temperature=temperature or self.settings.kv_temperature,
-            load_weight=self.settings.kv_load_weight,
-            fallback_reason=fallback,
+            namespace=namespace,
+            hashes=hashes,
+            temperature=temperature,
+            stored_node=stored_node,
         )
         metrics.picked(result, time.perf_counter() - started)
         return result
 
-    async def _match(self, namespace: bytes, hashes: list[bytes]) -> tuple[Any, str]:
-        if not hashes:
-            return [], ""
-        if self.index is None:
-            self.table.count("kv_fallback_off")
-            return None, "kv index is off: load only"
-        try:
-            # asyncio.timeout, not wait_for: no task made and scheduled for every pick.
-            async with asyncio.timeout(self.settings.kv_index_timeout_s):
-                reach = await self.index.match(namespace, hashes)
-        except TimeoutError:
-            self.table.count("kv_fallback_timeout")
-            return None, "kv index timed out: load only"
-        except OmniflowError as exc:
-            self.table.count("kv_fallback_error")
-            return None, f"kv index failed ({exc.code_name}): load only"
-        return reach, ""
-
-    async def _follow(self, runtime: Runtime, first: asyncio.Future[None]) -> None:
-        while True:
-            try:
-                async for instances in runtime.registry.watch(WORKER_SERVICE):
-                    self.table.replace(worker_from_instance(i) for i in instances)
-                    log.debug("workers: %s", self.table.roles())
-                    if not first.done():
-                        first.set_result(None)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # discovery hiccup: keep the last table, retry
-                log.warning("worker watch failed (%s); retrying", exc)
-                await asyncio.sleep(0.5)
-
-    async def _poll_health(self) -> None:
-        while True:
-            workers = self.table.list()
-            loads = await asyncio.gather(*(self.load_of(w) for w in workers))
-            for w, load in zip(workers, loads, strict=True):
-                queue = 0 if load is None else load.running_requests + load.waiting_requests
-                self.table.set_health(w.worker_id, load is not None, queue)
-            await asyncio.sleep(self.settings.health_interval_s)
+    async def _queue_of(self, worker: WorkerRecord) -> int | None:
+        load = await self.load_of(worker)
+        return None if load is None else load.running_requests + load.waiting_requests
 
     def channel(self, address: str) -> TracedChannel:
         channel = self._channels.get(address)
@@ -422,7 +360,6 @@ class RouterApp(ServiceApp):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self.index is not None:
-            await self.index.close()
+        await self.picker.close()
         for channel in self._channels.values():
             await channel.close()

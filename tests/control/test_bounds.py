@@ -13,6 +13,7 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.client import Client
 from omniflow.dsl import VType, Workflow, register_operation
 from omniflow.errors import InvalidArgument
+from omniflow.routing.table import WorkerTable
 from omniflow.workers import WorkerRecord
 from omniflow_services.coordinator.calls import UNUSED_PICK_CODE
 from omniflow_services.coordinator.limits import (
@@ -21,7 +22,6 @@ from omniflow_services.coordinator.limits import (
     check_inputs_size,
     graph_shape,
 )
-from omniflow_services.router.core import WorkerTable
 
 register_operation("echo", "upper", {"text": VType.TEXT}, {"text": VType.TEXT})
 

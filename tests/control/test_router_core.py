@@ -9,8 +9,8 @@ import pytest
 from omniflow.errors import InvalidArgument, NotFound
 from omniflow.kv.blocks import KVLayout
 from omniflow.kv.index_store import OwnerMatch
+from omniflow.routing.table import CircuitBreaker, WorkerTable, pull_credit
 from omniflow.workers import WorkerRecord
-from omniflow_services.router.core import CircuitBreaker, WorkerTable, pull_credit
 
 
 def _table(n: int = 3, **kw) -> WorkerTable:

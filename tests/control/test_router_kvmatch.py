@@ -16,10 +16,10 @@ from omniflow.kv.blocks import KVLayout, block_hashes
 from omniflow.kv.events import BlockEntry, Tier
 from omniflow.kv.index_store import KVIndex, OwnerInfo, OwnerKind
 from omniflow.localredis import RedisProcess
+from omniflow.routing.prefix import GrpcPrefixIndex, RedisPrefixIndex
 from omniflow.rpc.server import ServiceHost
 from omniflow_services.kv_index.config import KVIndexSettings
 from omniflow_services.kv_index.server import KVIndexApp
-from omniflow_services.router.kvmatch import GrpcPrefixIndex, RedisPrefixIndex
 
 LAYOUT = KVLayout("test/model", 2, 2, 8, "float16", 4)
 CHAIN = block_hashes(LAYOUT.namespace, list(range(4 * 6)), 4)  # 6 blocks

@@ -1,9 +1,9 @@
-"""How the router asks the KV index which owners hold a prompt's leading blocks.
+"""How the pick policy asks the KV index which owners hold a prompt's leading blocks.
 
-Two ways, behind one small interface: the kv-index's gRPC ``MatchPrefix`` (the normal
-one), or the index's store straight against its Redis (``omniflow.kv.index_store``, the
-library module that owns the key layout; for deployments, tests and benches where the
-kv-index edge is not there). Either answers within the router's deadline or
+Two ways, behind one small interface (``prefix_index`` opens the one the settings name):
+the kv-index's gRPC ``MatchPrefix`` (the normal one), or the index's store straight against
+its Redis (``omniflow.kv.index_store``, the library module that owns the key layout; for
+deployments, tests and benches where the kv-index edge is not there). Either answers within the pick's deadline or
 the pick falls back to load only.
 """
 
@@ -107,3 +107,22 @@ class RedisPrefixIndex:
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def prefix_index(
+    way: str,
+    resolve: Callable[[], Awaitable[str]],
+    redis_url: str,
+    timeout_s: float,
+    key_prefix: str = "of:kv:",
+) -> PrefixIndex | None:
+    """The index ``way`` names (``OMNIFLOW_ROUTER_KV_INDEX``): ``grpc`` (``resolve`` gives
+    the kv-index's address), ``redis``, ``auto`` (the index's own Redis when ``redis_url``
+    is set: one round trip, else grpc) or ``off`` (None: kv_aware picks by load only)."""
+    if way == "auto":
+        way = "redis" if redis_url else "grpc"
+    if way == "grpc":
+        return GrpcPrefixIndex(resolve)
+    if way == "redis":
+        return RedisPrefixIndex(redis_url, timeout_s, key_prefix)
+    return None

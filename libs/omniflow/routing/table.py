@@ -1,15 +1,16 @@
-"""The router's core: live workers per role, their load and health, and the strategies.
+"""The pick policy's worker table: live workers per role, their load and health, and the
+strategies (the router's Pick and the gateway's in-process pick both run it).
 
-Fed by a discovery watch and by outcomes; no gRPC here. Load per worker is the larger
-of the calls the router knows are outstanding on it (picks not yet reported, proxied
-calls in flight) and the queue the worker last reported through ``GetLoad``.
+Fed by discovery and by outcomes; no gRPC here. Load per worker is the larger of the
+calls its owner knows are outstanding on it (picks not yet reported, calls in flight)
+and the queue the worker last reported through ``GetLoad``.
 
 ``kv_aware``: the cost of a worker estimates, in prompt blocks of prefill, how long the
 request would wait for its first token there: the prefill it would still have to do
 (prompt blocks minus the blocks it can reach, credited 1.0 in its own device pool, 0.75
 in its node's host tier — or in the device pool of another worker of its node, which
 writes them through to that tier — and 0.25 on its node's SSD), plus the prefill the
-router already queued on that worker (the uncached blocks of its outstanding kv_aware
+picker already queued on that worker (the uncached blocks of its outstanding kv_aware
 picks), plus ``load_weight`` blocks per outstanding request (its share of every step
 while it decodes). Both load terms are in the same unit as the prefill, so a long prompt
 is not swamped by a count of requests, nor a count of requests by a long prompt. With a
