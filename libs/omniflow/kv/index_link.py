@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import KW_ONLY, dataclass
 from itertools import groupby
 
 import grpc
@@ -85,35 +86,30 @@ class _Reacquire(Exception):
     """The lease is gone (unknown owner, stale epoch, index lost its data)."""
 
 
+@dataclass(eq=False)
 class IndexLink:
-    """Keeps one owner's blocks announced in the KV index."""
+    """Keeps one owner's blocks announced in the KV index.
 
-    def __init__(
-        self,
-        owner_id: str,
-        node: str,
-        address: str,
-        find_index: Callable[[], Awaitable[str]],
-        drain: Callable[[], list[BlockEvent]],
-        entries: Callable[[], list[BlockEntry]],
-        *,
-        lease_ms: int = 0,
-        publish_interval_s: float = 0.02,
-        call_timeout_s: float = 5.0,
-        max_batch: int = 8192,
-        kind: int = kvindex_pb2.OWNER_KIND_AGENT,
-    ) -> None:
-        self.kind = kind
-        self.owner_id = owner_id
-        self.node = node
-        self.address = address
-        self._find_index = find_index
-        self._drain = drain
-        self._entries = entries
-        self.lease_ms = lease_ms
-        self.publish_interval_s = publish_interval_s
-        self.call_timeout_s = call_timeout_s
-        self.max_batch = max_batch
+    ``find_index`` answers the index's address (asked again on every reconnection),
+    ``drain`` the stores' events since its last call, ``entries`` all they hold (for a
+    snapshot). ``lease_ms`` 0 leaves the lease's length to the index.
+    """
+
+    owner_id: str
+    node: str
+    address: str
+    find_index: Callable[[], Awaitable[str]]
+    drain: Callable[[], list[BlockEvent]]
+    entries: Callable[[], list[BlockEntry]]
+    _: KW_ONLY
+    lease_ms: int = 0
+    publish_interval_s: float = 0.02
+    call_timeout_s: float = 5.0
+    max_batch: int = 8192
+    kind: int = kvindex_pb2.OWNER_KIND_AGENT
+
+    def __post_init__(self) -> None:
+        # Where the protocol stands: the index found, the lease held, the last batch sent.
         self.index_address = ""
         self.epoch = 0
         self.seq = 0
@@ -164,7 +160,7 @@ class IndexLink:
         return self._stub
 
     async def _connect(self) -> None:
-        address = await self._find_index()
+        address = await self.find_index()
         if address != self.index_address or self._channel is None:
             if self._channel is not None:
                 await self._channel.close()
@@ -194,7 +190,7 @@ class IndexLink:
                 log.warning("kv index unreachable (%s); retrying in %.1fs", text, delay)
                 self.connected.clear()
                 self._pending.clear()
-                self._drain()  # the snapshot after reconnecting covers these
+                self.drain()  # the snapshot after reconnecting covers these
                 await asyncio.sleep(delay)
             except Exception:
                 log.exception("kv index link failed; retrying")
@@ -222,8 +218,8 @@ class IndexLink:
         # Events queued up to here are in the entries read just after; later ones are sent
         # after the snapshot (applying a STORED or REMOVED twice is harmless).
         self._pending.clear()
-        self._drain()
-        entries = self._entries()
+        self.drain()
+        entries = self.entries()
         reply = await self._stub.Snapshot(
             snapshot_chunks(self.owner_id, self.epoch, self.seq, entries)
         )
@@ -261,7 +257,7 @@ class IndexLink:
     async def _publish(self) -> None:
         assert self._stub is not None
         if not self._pending:
-            self._pending = self._drain()
+            self._pending = self.drain()
         while self._pending:
             batch = self._pending[: self.max_batch]
             reply = await self._stub.PublishEvents(
