@@ -12,7 +12,9 @@ from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.errors import InvalidArgument, OmniflowError, Unavailable
 from omniflow.localredis import redact_url, redis_client
+from omniflow.records import build
 from omniflow.rpc.server import Runtime, ServiceApp
+from omniflow.rpc.servicer import AppServicer
 from omniflow.security.tenancy import Tenancy
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
 from omniflow_services.coordinator.caller import GrpcWorkerCaller
@@ -27,10 +29,9 @@ from omniflow_services.coordinator.waiting import WaitingCaller
 log = logging.getLogger(__name__)
 
 
-class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    def __init__(self, app: CoordinatorApp) -> None:
-        self.app = app
-
+class CoordinatorServicer(
+    AppServicer["CoordinatorApp"], coordinator_pb2_grpc.CoordinatorServiceServicer
+):
     async def RegisterWorkflow(
         self, request: coordinator_pb2.RegisterWorkflowRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.RegisterWorkflowResponse:
@@ -188,16 +189,7 @@ class CoordinatorApp(ServiceApp):
             lease_ttl_s=max(s.registration_ttl_s, 1.0),
             record_retry_s=s.record_retry_s,
             resume_orphans=s.resume_orphans,
-            limits=RunLimits(
-                max_inline_bytes=s.max_inline_bytes,
-                max_input_bytes=s.max_input_bytes,
-                max_graph_nodes=s.max_graph_nodes,
-                max_graph_depth=s.max_graph_depth,
-                max_graph_bytes=s.max_graph_bytes,
-                tenant_max_runs=s.tenant_max_runs,
-                max_run_deadline_ms=s.max_run_deadline_ms,
-                max_retry_backoff_ms=s.max_retry_backoff_ms,
-            ),
+            limits=build(RunLimits, s),  # from the settings of the same names
             roles_served=self._roles_served,
         )
         await self._runs.start()

@@ -45,6 +45,7 @@ from omniflow.kv.wire import (
 )
 from omniflow.rpc.context import failed_call
 from omniflow.rpc.server import Runtime, ServiceApp
+from omniflow.rpc.servicer import AppServicer
 from omniflow.tasks import stop_task
 from omniflow_services.kv_agent import grants, metrics
 from omniflow_services.kv_agent.config import KVAgentSettings
@@ -78,10 +79,7 @@ class _Part(Generic[_T]):
         return part
 
 
-class KVAgentServicer(kvagent_pb2_grpc.KVAgentServiceServicer):
-    def __init__(self, app: KVAgentApp) -> None:
-        self.app = app
-
+class KVAgentServicer(AppServicer["KVAgentApp"], kvagent_pb2_grpc.KVAgentServiceServicer):
     # --- local arena ------------------------------------------------------------------------
 
     async def GetArena(

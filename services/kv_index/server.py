@@ -33,6 +33,7 @@ from omniflow.kv.wire import (
 )
 from omniflow.localredis import redact_url, redis_client
 from omniflow.rpc.server import Runtime, ServiceApp
+from omniflow.rpc.servicer import AppServicer
 from omniflow.security.policy import require_owner
 from omniflow_services.kv_index import metrics
 from omniflow_services.kv_index.config import KVIndexSettings
@@ -80,10 +81,7 @@ def events_from_proto(msgs: list[kvindex_pb2.BlockEvent]) -> list[BlockEvent]:
     return out
 
 
-class KVIndexServicer(kvindex_pb2_grpc.KVIndexServiceServicer):
-    def __init__(self, app: KVIndexApp) -> None:
-        self.app = app
-
+class KVIndexServicer(AppServicer["KVIndexApp"], kvindex_pb2_grpc.KVIndexServiceServicer):
     @property
     def core(self) -> KVIndex:
         if self.app.core is None:

@@ -31,6 +31,7 @@ from omniflow.routing.table import PickResult
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel, remaining_s
 from omniflow.rpc.server import Runtime, ServiceApp
+from omniflow.rpc.servicer import AppServicer
 from omniflow.security.tenancy import scoped_id
 from omniflow.workers import WorkerRecord
 from omniflow_services.router import metrics
@@ -48,10 +49,7 @@ METHOD_ROLE = {
 IDEMPOTENT = frozenset({"Generate", "Encode", "GenerateImage", "Synthesize", "GetInfo", "GetLoad"})
 
 
-class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, app: RouterApp) -> None:
-        self.app = app
-
+class RouterServicer(AppServicer["RouterApp"], router_pb2_grpc.RouterServiceServicer):
     async def Pick(
         self, request: router_pb2.PickRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.PickResponse:
@@ -130,11 +128,11 @@ def _unary_proxy(method: str) -> Callable[..., Awaitable[Any]]:
     return forward
 
 
-class ProxyServicer(worker_pb2_grpc.WorkerServiceServicer):
+class ProxyServicer(AppServicer["RouterApp"], worker_pb2_grpc.WorkerServiceServicer):
     """The worker API, forwarded to a worker the router picks."""
 
     def __init__(self, app: RouterApp) -> None:
-        self.app = app
+        super().__init__(app)
         # The caller's request id (scoped to its tenant) → worker address, for Abort.
         self._requests: dict[str, str] = {}
 

@@ -15,7 +15,9 @@ from omniflow.errors import InvalidArgument
 from omniflow.finish import finish_to_proto
 from omniflow.kv.wire import layout_to_proto, namespace_fields
 from omniflow.prompt_size import check_prompt_size, ids_bytes, text_bytes
+from omniflow.records import build
 from omniflow.rpc.server import Runtime, ServiceApp
+from omniflow.rpc.servicer import AppServicer
 from omniflow.rpc.status import unimplemented
 from omniflow.sampling import SamplingParams
 from omniflow.workers import WORKER_SERVICE, worker_metadata
@@ -79,10 +81,7 @@ async def prompt_ids(llm: LLMRole, request: worker_pb2.GenerateRequest) -> list[
     raise InvalidArgument("the request has no prompt: set text, token_ids or messages")
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, app: WorkerApp) -> None:
-        self.app = app
-
+class WorkerServicer(AppServicer["WorkerApp"], worker_pb2_grpc.WorkerServiceServicer):
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
@@ -204,15 +203,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.GetLoadResponse:
-        load = self.app.core.load_now()
-        return worker_pb2.GetLoadResponse(
-            load=common_pb2.WorkerLoad(
-                running_requests=load.running,
-                waiting_requests=load.waiting,
-                free_pages=load.free_pages,
-                total_pages=load.total_pages,
-            )
+        load = self.app.core.load_now()  # free_pages and total_pages under the same names
+        wire = build(
+            common_pb2.WorkerLoad,
+            load,
+            running_requests=load.running,
+            waiting_requests=load.waiting,
         )
+        return worker_pb2.GetLoadResponse(load=wire)
 
     async def GetInfo(
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
