@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,21 +37,22 @@ from omniflow_services.gateway.errors import APIError, from_domain
 from omniflow_services.gateway.fairshare import TenantShare
 from omniflow_services.gateway.openai_api import OpenAIRoutes
 from omniflow_services.gateway.protocol import error_body
-from omniflow_services.gateway.utility_api import ROUTE_LABELS, add_routes
+from omniflow_services.gateway.utility_api import add_routes
 
 # No API key, no in-flight bound. The API's description is open as vLLM's server leaves it
 # (its key guards /v1 only): the document lists shapes, never data.
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")
-ROUTES = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/models": "models",
-    "/v1/images/generations": "images",
-    "/v1/audio/speech": "speech",
-    "/health": "health",
-    "/metrics": "metrics",
-    **ROUTE_LABELS,
-}
+
+
+def route_labels(app: FastAPI) -> dict[str, str]:
+    """Each fixed path of ``app`` → its label in the request counts: an API route's name
+    (its handler's, unless the route names another), "openapi" and "docs" for FastAPI's own
+    pages. Paths with parameters are not listed (the guard labels /v1/models/{id} itself)."""
+    labels = {r.path: r.name for r in app.routes if isinstance(r, APIRoute) and "{" not in r.path}
+    for path, label in ((app.openapi_url, "openapi"), (app.docs_url, "docs")):
+        if path is not None:
+            labels[path] = label
+    return labels
 
 
 def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -62,8 +64,9 @@ def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSON
 class Guard:
     """Request id, API key, body size, in-flight bound and request counts."""
 
-    def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
+    def __init__(self, app: ASGIApp, settings: GatewaySettings, routes: dict[str, str]) -> None:
         self.app = app
+        self.routes = routes  # path → route label (``route_labels``)
         self.key = settings.api_key.encode()
         keys_file = settings.api_keys_file
         # Read again when the file changes: a removed key stops working within a second.
@@ -84,7 +87,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        route = ROUTES.get(path, "models" if path.startswith("/v1/models/") else "other")
+        route = self.routes.get(path, "models" if path.startswith("/v1/models/") else "other")
         headers = dict(scope["headers"])
         given = headers.get(b"x-request-id", b"").decode("latin-1")[:128]
         rid = new_id("req")
@@ -232,7 +235,7 @@ def build_app(settings: GatewaySettings, core: GatewayCore, serving: Callable[[]
         ok = serving()
         return JSONResponse({"status": "ok" if ok else "starting or stopping"}, 200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", name="metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -255,7 +258,7 @@ def build_app(settings: GatewaySettings, core: GatewayCore, serving: Callable[[]
         app.add_api_route(path, handler, methods=["POST"])
     add_routes(app, core)  # embeddings, audio to text, tokenize, version, OpenAPI
 
-    guard = Guard(app, settings)
+    guard = Guard(app, settings, route_labels(app))
     core.share = guard.share  # the core counts each tenant's tokens into it
     return guard
 

@@ -36,6 +36,15 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, "invalid_value")
 
 
+def the_one(names: list[str], param: str, message: str) -> str:
+    """The single entry of ``names``; else a 400 on ``param`` whose ``message`` is formatted
+    with ``count`` (how many there are) and ``names`` (comma-joined, or "none")."""
+    if len(names) != 1:
+        joined = ", ".join(names) or "none"
+        raise bad_request(message.format(count=len(names), names=joined), param)
+    return names[0]
+
+
 # Domain error -> (HTTP status, OpenAI error type, code). The first matching class wins.
 _TABLE: tuple[tuple[type[errors.OmniflowError], int, str, str], ...] = (
     (errors.InvalidArgument, 400, "invalid_request_error", "invalid_value"),

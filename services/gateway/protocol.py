@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from omniflow.sampling import SamplingParams, StructuredOutput
+from omniflow.sampling import FIELDS, SamplingParams, StructuredOutput
 
 
 class RequestShape(BaseModel):
@@ -185,28 +185,21 @@ class _Sampling(RequestShape):
         top_logprobs: int,
         structured: StructuredOutput | None,
     ) -> SamplingParams:
-        """The contract of this request (``SamplingError`` naming a bad field)."""
+        """The contract of this request (``SamplingError`` naming a bad field): every field
+        declared here that the contract has by the same name, and the four each request type
+        computes from its own fields."""
+        given = {name: getattr(self, name) for name in _SHARED_FIELDS}
         return SamplingParams.build(
+            **given,
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
-            min_tokens=self.min_tokens,
-            logit_bias=self.logit_bias,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
             structured=structured,
         )
+
+
+#: The sampling fields a request carries as they are (same name, same meaning).
+_SHARED_FIELDS = tuple(name for name in _Sampling.model_fields if name in FIELDS)
 
 
 class ChatCompletionRequest(_Sampling):

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from omniflow.errors import InvalidArgument, OmniflowError
 from omniflow.sampling import StructuredOutput
-from omniflow_services.gateway.errors import APIError, bad_request, from_domain
+from omniflow_services.gateway.errors import APIError, bad_request, from_domain, the_one
 from omniflow_services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -85,14 +85,11 @@ def _of_structured_outputs(so: StructuredOutputs) -> Constraint:
         "grammar": so.grammar,
         "json_object": so.json_object or None,
     }
-    set_ = [k for k, v in given.items() if v is not None]
-    if len(set_) != 1:
-        raise bad_request(
-            f"structured_outputs takes exactly one of {', '.join(SO_KINDS)}; got "
-            f"{', '.join(set_) or 'none'}",
-            "structured_outputs",
-        )
-    kind = set_[0]
+    kind = the_one(
+        [k for k, v in given.items() if v is not None],
+        "structured_outputs",
+        f"structured_outputs takes exactly one of {', '.join(SO_KINDS)}; got {{names}}",
+    )
     value = given[kind]
     param = f"structured_outputs.{kind}"
     if kind == "json_object":

@@ -41,7 +41,7 @@ from omniflow_services.gateway.endpoint_shapes import (
     TranslationRequest,
     VersionResponse,
 )
-from omniflow_services.gateway.errors import bad_request, from_validation, parse_json
+from omniflow_services.gateway.errors import bad_request, from_validation, parse_json, the_one
 from omniflow_services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,18 +50,6 @@ from omniflow_services.gateway.protocol import (
 )
 from omniflow_services.gateway.replies import param_model
 from omniflow_services.gateway.tool_calls import RESERVED_TEMPLATE_KWARGS
-
-#: Paths of the routes this module adds → the guard's route label (request counts).
-ROUTE_LABELS = {
-    "/v1/embeddings": "embeddings",
-    "/v1/audio/transcriptions": "transcriptions",
-    "/v1/audio/translations": "translations",
-    "/tokenize": "tokenize",
-    "/detokenize": "detokenize",
-    "/version": "version",
-    "/openapi.json": "openapi",
-    "/docs": "docs",
-}
 
 # Request bodies the handlers parse themselves: (path, content type, model(s)).
 _BODIES: tuple[tuple[str, str, tuple[type[BaseModel], ...]], ...] = (
@@ -110,16 +98,12 @@ class UtilityRoutes:
 
     async def _preprocessor(self, model: str | None) -> tuple[Preprocessor, str]:
         if model is None:
-            served = sorted(
-                {served_name(w) for w in await self.core.backends.workers() if w.role == "llm"}
+            served = {served_name(w) for w in await self.core.backends.workers() if w.role == "llm"}
+            model = the_one(
+                sorted(served),
+                "model",
+                "model is required: {count} llm models are served ({names})",
             )
-            if len(served) != 1:
-                raise bad_request(
-                    f"model is required: {len(served)} llm models are served "
-                    f"({', '.join(served) or 'none'})",
-                    "model",
-                )
-            model = served[0]
         workers = await param_model(self.core.workers_for(model, "llm"))
         return await self.core.preprocessor(workers[0]), model
 

@@ -33,21 +33,28 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class Reservation:
-    """A host slot reserved for a page a local worker is about to write in place."""
+class HostSlot:
+    """Slot ``slot`` of the host arena, held for page ``block_hash`` of ``namespace``."""
 
     namespace: bytes
     block_hash: bytes
     slot: int
+
+    @property
+    def key(self) -> bytes:
+        """The page's key in the tiers (namespace and hash were checked when it was held)."""
+        return self.namespace + self.block_hash
 
 
 @dataclass(frozen=True, slots=True)
-class PageHandle:
+class Reservation(HostSlot):
+    """A host slot reserved for a page a local worker is about to write in place."""
+
+
+@dataclass(frozen=True, slots=True)
+class PageHandle(HostSlot):
     """A pinned host page: read ``slot`` of the arena in place, then ``release`` it."""
 
-    namespace: bytes
-    block_hash: bytes
-    slot: int
     checksum: int
     promoted: bool  # served from SSD (promoted to host by this call)
 
@@ -197,7 +204,7 @@ class TieredStore:
         """
         with self._lock:
             key = self._reserved.pop(res.slot, None)
-            if key != res.namespace + res.block_hash:
+            if key != res.key:
                 raise FailedPrecondition(f"slot {res.slot} is not reserved for this page")
             got = page_checksum(self.host.arena.view(res.slot))
             if checksum is not None and got != checksum:
@@ -356,7 +363,7 @@ class TieredStore:
 
     def release(self, handle: PageHandle) -> None:
         with self._lock:
-            page = self.host.get(_key(handle.namespace, handle.block_hash), touch=False)
+            page = self.host.get(handle.key, touch=False)
             if page is None or page.pins <= 0:
                 raise FailedPrecondition(f"page {handle.block_hash.hex()} is not pinned")
             page.pins -= 1

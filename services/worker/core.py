@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, TypeVar
 from omniflow.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from omniflow.models.resolve import resolve_model
 from omniflow.operations import served
+from omniflow.records import build
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.llm.role import LLMRole
 from omniflow_services.worker.llm.types import EngineLoad
@@ -85,13 +86,14 @@ class WorkerCore:
         dtype = dtype or s.dtype
         if dtype not in ("float32", "bfloat16"):
             raise InvalidArgument(f"dtype {dtype!r} is not accepted; accepted: float32, bfloat16")
-        config = EngineConfig(
+        # The settings of the same name (device, kv_cache_bytes, kernels), and the two the
+        # worker names after its flags.
+        config = build(
+            EngineConfig,
+            s,
             dtype=dtype,
-            device=s.device,
-            kv_cache_bytes=s.kv_cache_bytes,
             max_num_batched_tokens=s.max_batch_tokens,
             max_num_seqs=s.max_seqs,
-            kernels=s.kernels,
         )
         if self.role == "embed":
             if s.engine != "torch":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from omniflow_services.worker.engine.config import EngineConfig
 from omniflow_services.worker.engine.prefix_cache import PrefixCache
 from omniflow_services.worker.engine.sampling import SamplingParams
 from omniflow_services.worker.engine.scheduler import Scheduler, SeqState, SeqStatus
@@ -24,7 +25,8 @@ def advance(sched: Scheduler, plan: list) -> list[tuple[str, int]]:  # type: ign
 
 
 def make(pages: int = 32, budget: int = 20, max_seqs: int = 8) -> Scheduler:
-    return Scheduler(PrefixCache(pages), 4, budget, max_seqs, lambda s: None)
+    config = EngineConfig(page_size=4, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    return Scheduler(PrefixCache(pages), config, lambda s: None)
 
 
 def test_chunked_prefill_and_decode_share_the_budget() -> None:

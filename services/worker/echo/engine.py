@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omniflow.kv.blocks import KVLayout
-from omniflow_services.worker.llm.types import EngineLoad
+from omniflow_services.worker.llm.types import EngineLoad, unqueue
 
 #: The echo engine's KV layout: prompt bytes are its tokens, 16 to a page.
 ECHO_LAYOUT = KVLayout("echo-bytes", 1, 1, 1, "float32", 16)
@@ -157,10 +157,7 @@ class EchoEngine:
         return req
 
     def cancel(self, req: EngineRequest) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        unqueue(req, self.running, self.waiting)
 
     # -- one step, as bookkeeping
     def _admit(self) -> None:

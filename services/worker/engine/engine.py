@@ -84,13 +84,7 @@ class Engine:
         num_pages = cfg.num_pages or KVPool.pages_for_bytes(self.layout, cfg.kv_cache_bytes)
         self.pool = KVPool(self.layout, num_pages, cfg.device)
         self.cache = PrefixCache(num_pages, enabled=cfg.enable_prefix_cache)
-        self.scheduler = Scheduler(
-            self.cache,
-            cfg.page_size,
-            cfg.max_num_batched_tokens,
-            cfg.max_num_seqs,
-            self._match_prefix,
-        )
+        self.scheduler = Scheduler(self.cache, cfg, self._match_prefix)
         self.connector = connector
         self.events = events
         # Prefixes from the data plane load off the step thread (see kv_loads).

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from omniflow_services.worker.engine.config import EngineConfig
 from omniflow_services.worker.engine.prefix_cache import PrefixCache
 from omniflow_services.worker.engine.sampling import SamplingParams
+from omniflow_services.worker.llm.types import unqueue
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +79,11 @@ class Scheduler:
     """Decides which requests compute how many tokens in the next step."""
 
     def __init__(
-        self,
-        cache: PrefixCache,
-        page_size: int,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        match_prefix: Callable[[SeqState], None],
+        self, cache: PrefixCache, config: EngineConfig, match_prefix: Callable[[SeqState], None]
     ) -> None:
         self.cache = cache
-        self.page_size = page_size
-        self.budget = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
+        #: The engine's: its page size and a step's bounds (tokens, sequences).
+        self.config = config
         self._match_prefix = match_prefix
         self.waiting: deque[SeqState] = deque()
         self.running: list[SeqState] = []
@@ -97,7 +93,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _pages_needed(self, seq: SeqState, n: int) -> int:
-        total = -(-(seq.num_computed + n) // self.page_size)
+        total = -(-(seq.num_computed + n) // self.config.page_size)
         return max(0, total - len(seq.pages))
 
     def _grow(self, seq: SeqState, n: int) -> bool:
@@ -125,7 +121,7 @@ class Scheduler:
         log.info("preempted request %s (pool full); it will be recomputed", seq.request_id)
 
     def schedule(self) -> list[ScheduledSeq]:
-        budget = self.budget
+        budget = self.config.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         preempted = self.num_preemptions
         for seq in list(self.running):
@@ -145,7 +141,8 @@ class Scheduler:
             budget -= n
         # After a preemption the pool is tight: admit nothing new this step (avoids thrashing).
         admit = self.num_preemptions == preempted
-        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        max_seqs = self.config.max_num_seqs
+        while admit and self.waiting and budget > 0 and len(self.running) < max_seqs:
             seq = self.waiting[0]
             if not seq.pages and seq.num_computed == 0:
                 self._match_prefix(seq)
@@ -162,10 +159,7 @@ class Scheduler:
 
     def remove(self, seq: SeqState) -> None:
         """Take a finished or aborted request out of the queues and release its pages."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        unqueue(seq, self.running, self.waiting)
         self.cache.release(seq.pages)
         seq.pages = []
         seq.status = SeqStatus.FINISHED

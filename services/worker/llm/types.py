@@ -7,14 +7,17 @@ engine) speaks these types, and none of them imports another's. Torch-free at im
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from omniflow.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +124,12 @@ class EngineStats:
     event_failures: int = 0
     preemptions: int = 0
     async_loads: int = 0
+
+
+def unqueue(req: R, running: list[R], waiting: deque[R]) -> None:
+    """Take ``req`` out of a continuous-batching engine's queues, whichever holds it (a
+    request in neither, already finished, is left alone)."""
+    if req in running:
+        running.remove(req)
+    elif req in waiting:
+        waiting.remove(req)

@@ -17,16 +17,15 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from omniflow.errors import FailedPrecondition, InvalidArgument
-from omniflow_services.worker.mm.audio_io import StreamResampler, check_rate, pcm_s16
+from omniflow_services.worker.mm.audio_io import StreamResampler, pcm_s16
 from omniflow_services.worker.mm.media import wav_bytes
-from omniflow_services.worker.mm.streaming import iterate_in_thread
-from omniflow_services.worker.mm.talker import DEFAULT_RATE, AudioChunk, check_voice
+from omniflow_services.worker.mm.talker import AudioChunk, Talker, check_voice
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ def is_piper_folder(folder: Path) -> bool:
     return path.is_file() and json.loads(path.read_text()).get("model_type") == PIPER_MODEL_TYPE
 
 
-class PiperTalker:
+class PiperTalker(Talker):
     """One Piper voice; one utterance is synthesised at a time (ONNX threads are the
     parallelism)."""
 
@@ -79,9 +78,6 @@ class PiperTalker:
         """The voice's own rate."""
         return self.voice_rate
 
-    def output_rate(self, requested: int) -> int:
-        return check_rate(requested, DEFAULT_RATE)
-
     def check_voice(self, voice: str) -> None:
         check_voice(voice, self.name)
 
@@ -93,8 +89,11 @@ class PiperTalker:
                 f"text has {len(text)} characters; the talker accepts up to {MAX_TEXT_CHARS}"
             )
 
-    def synthesize_sync(self, text: str, sample_rate: int = 0) -> Iterator[AudioChunk]:
-        """One chunk per sentence as Piper finishes it; the last carries the whole WAV."""
+    def synthesize_sync(
+        self, text: str, sample_rate: int = 0, seed: int | None = None
+    ) -> Iterator[AudioChunk]:
+        """One chunk per sentence as Piper finishes it; the last carries the whole WAV.
+        ``seed`` is accepted and has no effect (see the module doc)."""
         self.check_text(text)
         rate = self.output_rate(sample_rate)
         with self._lock:
@@ -119,12 +118,3 @@ class PiperTalker:
             pcm = pcm_s16(out)
             parts.append(pcm)
             yield AudioChunk(pcm, rate, index, True, wav_bytes(b"".join(parts), rate))
-
-    async def synthesize(
-        self, text: str, seed: int | None = None, sample_rate: int = 0
-    ) -> AsyncIterator[AudioChunk]:
-        """Stream chunks; ``seed`` is accepted and has no effect (see the module doc)."""
-        self.check_text(text)  # bad input fails before the stream starts
-        self.output_rate(sample_rate)
-        async for chunk in iterate_in_thread(lambda: self.synthesize_sync(text, sample_rate)):
-            yield chunk

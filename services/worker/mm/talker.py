@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,37 @@ class AudioChunk:
     wav: bytes = b""  # the whole utterance, on the last chunk
 
 
-class TalkerRole:
+class Talker(ABC):
+    """What every talker shares: a request rate of 0 is ``DEFAULT_RATE`` (other rates
+    resampled), and ``synthesize`` streams the talker's blocking ``synthesize_sync``."""
+
+    def output_rate(self, requested: int) -> int:
+        return check_rate(requested, DEFAULT_RATE)
+
+    @abstractmethod
+    def check_text(self, text: str) -> None:
+        """Raise InvalidArgument for a text this talker cannot speak."""
+
+    @abstractmethod
+    def synthesize_sync(
+        self, text: str, seed: int | None, sample_rate: int
+    ) -> Iterator[AudioChunk]:
+        """Audio chunks as they are decoded; the last carries the whole WAV."""
+
+    async def synthesize(
+        self, text: str, seed: int | None = None, sample_rate: int = 0
+    ) -> AsyncIterator[AudioChunk]:
+        """Stream chunks; decoding runs in a thread, each chunk is sent as soon as it is ready."""
+        self.check_text(text)  # bad input fails before the stream starts
+        self.output_rate(sample_rate)
+        chunks = iterate_in_thread(
+            lambda: self.synthesize_sync(text, seed=seed, sample_rate=sample_rate)
+        )
+        async for ch in chunks:
+            yield ch
+
+
+class TalkerRole(Talker):
     """One codec LM and one vocoder; one utterance is decoded at a time."""
 
     def __init__(self, folder: Path, device: str = "cpu", dtype: str = "float32") -> None:
@@ -119,11 +150,11 @@ class TalkerRole:
     def sample_rate(self) -> int:
         return self.vocoder.sample_rate
 
-    def output_rate(self, requested: int) -> int:
-        return check_rate(requested, DEFAULT_RATE)
-
     def check_voice(self, voice: str) -> None:
         check_voice(voice)
+
+    def check_text(self, text: str) -> None:
+        self.prompt(text)
 
     def prompt(self, text: str) -> list[int]:
         ids = list(self.tokenizer.encode(text).ids)
@@ -202,19 +233,3 @@ class TalkerRole:
                 True,
                 wav_bytes(b"".join(pcm_all), rate),
             )
-
-    async def synthesize(
-        self,
-        text: str,
-        seed: int | None = None,
-        temperature: float = 0.8,
-        sample_rate: int = 0,
-    ) -> AsyncIterator[AudioChunk]:
-        """Stream chunks; decoding runs in a thread, each chunk is sent as soon as it is ready."""
-        self.prompt(text)  # bad input fails before the stream starts
-        self.output_rate(sample_rate)
-        chunks = iterate_in_thread(
-            lambda: self.synthesize_sync(text, seed, temperature, sample_rate)
-        )
-        async for ch in chunks:
-            yield ch
