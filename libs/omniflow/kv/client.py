@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -62,42 +63,38 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+@dataclass(eq=False)
 class KVClient:
-    """One worker's view of the Data Flow layer: its node's agent and the index."""
+    """One worker's view of the Data Flow layer: its node's agent and the index.
 
-    def __init__(
-        self,
-        agent_address: str,
-        index_address: str = "",
-        *,
-        device_owner_id: str = "",
-        timeout_s: float = 10.0,
-        max_pending_stores: int = 64,
-        zero_copy: bool = True,
-        chunk_bytes: int = 4 * 1024 * 1024,
-        max_batch: int = 256,
-    ) -> None:
-        self.agent_address = agent_address
-        self.index_address = index_address
-        self.device_owner_id = device_owner_id
-        self.timeout_s = timeout_s
-        self.max_pending_stores = max_pending_stores
+    ``device_owner_id`` is the worker's own owner id at the index (its device pool is
+    reported, never fetched); at most ``max_pending_stores`` background stores run at once.
+    """
+
+    agent_address: str
+    index_address: str = ""
+    _: KW_ONLY
+    device_owner_id: str = ""
+    timeout_s: float = 10.0
+    max_pending_stores: int = 64
+    #: False once the arena proved unmappable here: pages then stream over gRPC.
+    zero_copy: bool = True
+    chunk_bytes: int = 4 * 1024 * 1024
+    max_batch: int = 256
+
+    def __post_init__(self) -> None:
         self.agent_id = ""
         self.stores_dropped = 0
         self.store_failures = 0
-        #: False once the arena proved unmappable here: pages then stream over gRPC.
-        self.zero_copy = zero_copy
-        self.chunk_bytes = chunk_bytes
-        self.max_batch = max_batch
         self.stats = TransportStats()
         self._agent_channel: TracedChannel = open_channel(
-            agent_address, default_timeout_s=timeout_s
+            self.agent_address, default_timeout_s=self.timeout_s
         )
         self._agent = kvagent_pb2_grpc.KVAgentServiceStub(self._agent_channel)
         self._index_channel: TracedChannel | None = None
         self._index: kvindex_pb2_grpc.KVIndexServiceStub | None = None
-        if index_address:
-            self._index_channel = open_channel(index_address, default_timeout_s=timeout_s)
+        if self.index_address:
+            self._index_channel = open_channel(self.index_address, default_timeout_s=self.timeout_s)
             self._index = kvindex_pb2_grpc.KVIndexServiceStub(self._index_channel)
         self._arenas: dict[str, HostArena] = {}
         self._page_bytes: dict[bytes, int] = {}  # per namespace, for streamed reads
