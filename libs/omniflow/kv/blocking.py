@@ -116,14 +116,6 @@ class AgentPageStore:
     def stats(self) -> TransportStats:
         return self.client.stats
 
-    @property
-    def agent_id(self) -> str:
-        return self.client.agent_id
-
-    @property
-    def zero_copy(self) -> bool:
-        return self.client.zero_copy
-
     def _run(self, coro: Coroutine[Any, Any, _T], calls: int = 1) -> _T:
         # Each call inside has its own deadline; this bound only catches a stuck loop.
         return self._loop.run(coro, self.timeout_s * (2 + calls))
