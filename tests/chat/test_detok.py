@@ -10,6 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from omniflow.chat import Preprocessor
+from omniflow.sampling import SamplingParams
 from omniflow_services.worker.engine.detok import Detokenizer
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
@@ -20,7 +21,7 @@ ANSWER = " The capital of France is Paris. Ünïcödé: 東京, emoji 🚀🙂 a
 
 def stream(tok: Tokenizer, prompt: list[int], out: list[int], stop: tuple[str, ...] = ()):
     """(deltas, whether a stop string was hit) for ``out`` fed one token at a time."""
-    d = Detokenizer(tok, stop, prompt)
+    d = Detokenizer(tok, SamplingParams(stop=stop), prompt)
     deltas = []
     for i, t in enumerate(out):
         hit = d.add(t)

@@ -18,6 +18,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from omniflow.sampling import SamplingParams
+
 #: Prompt tokens the stream is primed with: enough context for a word boundary.
 PRIME_TOKENS = 8
 
@@ -25,29 +27,22 @@ PRIME_TOKENS = 8
 class Detokenizer:
     """Text of one request's output tokens, as they come.
 
-    ``prompt`` is the request's prompt ids (the tail primes the stream); ids outside the
-    vocabulary (multimodal pad ids) are left out of the priming.
+    ``params`` is the request's contract: its ``stop`` strings, ``include_stop_str_in_output``,
+    ``min_tokens`` and ``skip_special_tokens``. ``prompt`` is the request's prompt ids (the
+    tail primes the stream); ids outside the vocabulary (multimodal pad ids) are left out of
+    the priming.
     """
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        stop: tuple[str, ...],
-        prompt: Sequence[int] = (),
-        *,
-        skip_special_tokens: bool = True,
-        include_stop_str_in_output: bool = False,
-        min_tokens: int = 0,
-    ) -> None:
+    def __init__(self, tokenizer: Any, params: SamplingParams, prompt: Sequence[int] = ()) -> None:
         self._tok = tokenizer
-        self._stop = stop
-        self._keep_stop = include_stop_str_in_output
-        self._min_tokens = min_tokens
+        self._stop = params.stop
+        self._keep_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
         self._count = 0
-        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._hold = max((len(s) for s in params.stop), default=1) - 1
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         tail = [t for t in prompt[-PRIME_TOKENS:] if 0 <= t < vocab]
-        self._stream = DecodeStream(ids=tail, skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(ids=tail, skip_special_tokens=params.skip_special_tokens)
         self._vocab = vocab
         self.text = ""
         self._emitted = 0

@@ -210,14 +210,7 @@ class Engine:
         if p.penalised:
             seq.penalty = PenaltyState(p, ids, self.model_config.vocab_size, self._device)
         if self.tokenizer is not None:
-            seq.detok = Detokenizer(  # primed with the prompt
-                self.tokenizer,
-                p.stop,
-                ids,
-                skip_special_tokens=p.skip_special_tokens,
-                include_stop_str_in_output=p.include_stop_str_in_output,
-                min_tokens=p.min_tokens,
-            )
+            seq.detok = Detokenizer(self.tokenizer, p, ids)  # primed with the prompt
         with self._id_lock:
             if req.request_id in self._seqs:
                 raise InvalidArgument(f"request_id {req.request_id!r} is already running")
