@@ -1,20 +1,28 @@
-"""The gateway's gRPC side: discovery, the router's lookaside ``Pick``, worker and
-coordinator calls. Everything here returns plain data and raises domain errors, so
-the core never sees protobuf or gRPC types.
+"""The gateway's gRPC side: discovery, the pick of a worker, worker and coordinator calls.
+Everything here returns plain data and raises domain errors, so the core never sees
+protobuf or gRPC types.
+
+The pick runs in this process (``omniflow.routing.picker.Picker``, the policy the router's
+Pick serves the coordinator): a worker table fed by the discovery listings the catalog
+reads, the calls this gateway has in flight on each worker, their outcomes (breakers),
+each worker's reported queue (``GetLoad`` every ``OMNIFLOW_ROUTER_HEALTH_INTERVAL_S``) and,
+for kv_aware, the one prefix match against the KV index. A pick that finds no live worker
+of the model (one worker restarting) is made again, on a fresh listing, within
+``failover_wait_s``.
 
 Cancelling (or closing) a stream returned here cancels its RPC: a client that
 disconnects ends the worker's request (the worker aborts it and frees its pages).
 
-Routers and coordinators are called through ``replicas.Replicas``: every replica in
-discovery, failing over on UNAVAILABLE and waiting (``failover_wait_s``) while none
-answers. A Pick that finds no live worker of the model (one worker restarting) is asked
-again within that wait too. A workflow run carries a run id made here, so that a run whose
-coordinator died is followed on another one (which adopts it), not submitted twice.
+Coordinators are called through ``replicas.Replicas``: every replica in discovery, failing
+over on UNAVAILABLE and waiting (``failover_wait_s``) while none answers. A workflow run
+carries a run id made here, so that a run whose coordinator died is followed on another
+one (which adopts it), not submitted twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -23,15 +31,13 @@ from typing import Any
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
-from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.backoff import Backoff
-from omniflow.discovery import Registry
+from omniflow.discovery import Registry, find_address
 from omniflow.dsl.flow import chat_parts, output_flow
-from omniflow.errors import NotFound, Unavailable
+from omniflow.errors import NotFound, OmniflowError, Unavailable
 from omniflow.finish import finish_from_proto
-from omniflow.kv.wire import namespace_fields
-from omniflow.outcomes import OutcomeReports
+from omniflow.routing.picker import Picker
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.values import from_python, to_python
@@ -51,12 +57,6 @@ from omniflow_services.gateway.types import (
 log = logging.getLogger(__name__)
 
 RUN_STREAM_SLACK_S = 10.0  # a run's stream outlives its deadline by this much
-
-
-def _strategy(name: str) -> int:
-    if not name or name == "router":  # the router's default for the role
-        return 0
-    return router_pb2.Strategy.Value(f"STRATEGY_{name.upper()}")
 
 
 def _request_proto(call: GenerateCall) -> worker_pb2.GenerateRequest:
@@ -81,7 +81,7 @@ def _request_proto(call: GenerateCall) -> worker_pb2.GenerateRequest:
 
 
 class Backends:
-    """Discovery listings, the router, the coordinator and worker channels of a gateway."""
+    """Discovery listings, the pick, the coordinator and worker channels of a gateway."""
 
     def __init__(self, settings: GatewaySettings, registry: Registry) -> None:
         self.settings = settings
@@ -89,14 +89,10 @@ class Backends:
         self._channels: dict[str, TracedChannel] = {}
         self._workers: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
         wait_s = settings.failover_wait_s
-        self.routers: Replicas[router_pb2_grpc.RouterServiceStub] = Replicas(
-            registry,
-            "router",
-            settings.router_addr,
-            self._channel,
-            router_pb2_grpc.RouterServiceStub,
-            wait_s,
-        )
+        # One candidate: no index match (the same worker; the router's Pick still asks).
+        self.picker = Picker(settings, match_alone=False)
+        self.picker.open_index(self._index_address)
+        self._health: asyncio.Task[None] | None = None
         self.coordinators: Replicas[coordinator_pb2_grpc.CoordinatorServiceStub] = Replicas(
             registry,
             "coordinator",
@@ -106,7 +102,12 @@ class Backends:
             wait_s,
         )
         self._listing: tuple[float, list[WorkerRecord]] | None = None
-        self._outcomes = OutcomeReports(self.router, settings.pick_timeout_s)
+
+    def start(self) -> None:
+        """Poll the workers' load and health (``OMNIFLOW_ROUTER_HEALTH_INTERVAL_S``; 0: never)
+        for the pick, until ``close``."""
+        if self.settings.health_interval_s > 0 and self._health is None:
+            self._health = asyncio.create_task(self.picker.poll_health(self._queue_of))
 
     # ------------------------------------------------------------ discovery
 
@@ -123,6 +124,8 @@ class Backends:
                 raise
             log.warning("worker listing failed (%s); using the last one", exc)
             return self._listing[1]
+        if self._listing is None or self._listing[1] != found:
+            self.picker.table.replace(found)  # keeps each known worker's load and breaker
         self._listing = (now, found)
         return found
 
@@ -134,9 +137,13 @@ class Backends:
             )
         return channel
 
-    async def router(self) -> router_pb2_grpc.RouterServiceStub:
-        """The router to use now (``routers.call`` fails over; this does not)."""
-        return await self.routers.current()
+    async def _index_address(self) -> str:
+        return await find_address(
+            self.registry,
+            "kv-index",
+            configured=self.settings.kv_index_addr,
+            node=self.settings.resolved_node(),
+        )
 
     async def coordinator(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
         """The coordinator to use now (``coordinators.call`` fails over; this does not)."""
@@ -151,7 +158,7 @@ class Backends:
             )
         return stub
 
-    # ------------------------------------------------------------ router
+    # ------------------------------------------------------------ picking
 
     async def pick(
         self,
@@ -161,36 +168,52 @@ class Backends:
         strategy: str = "",
         namespace: bytes = b"",
         hashes: list[bytes] | None = None,
-        prompt_tokens: int = 0,
         exclude: tuple[str, ...] = (),
     ) -> Picked:
-        msg = router_pb2.PickRequest(
-            role=role,
-            operation=operation,
-            strategy=_strategy(strategy),  # type: ignore[arg-type]
-            **namespace_fields(namespace, "kv_namespace"),
-            block_hashes=hashes or [],
-            prompt_tokens=prompt_tokens,
-            exclude_worker_ids=list(exclude),
-        )
-        timeout = self.settings.pick_timeout_s
+        """A worker of ``role`` by ``strategy`` ("" or "router": the role's default), its
+        call counted on it until ``report``; NotFound when none is live within the wait."""
+        if strategy == "router":
+            strategy = ""
         backoff = Backoff.within(self.settings.failover_wait_s, BACKOFF_S, MAX_BACKOFF_S)
         while True:
+            # The table is at most one catalog_ttl_s old (a restarted worker's new address).
+            await self.workers()
             try:
-                reply = await self.routers.call(lambda stub: stub.Pick(msg, timeout=timeout))
-                return Picked(reply.worker.worker_id, reply.worker.address)
+                result = await self.picker.pick(
+                    role,
+                    strategy,
+                    exclude=exclude,
+                    operation=operation,
+                    namespace=namespace,
+                    hashes=hashes,
+                )
             except NotFound:
-                # No live worker now: with one worker restarting, wait for it (the caller
-                # turns the NotFound left at the end into its 503).
+                # No live worker now: with one worker restarting, wait for it on a fresh
+                # listing (the caller turns the NotFound left at the end into its 503).
                 delay = backoff.next()
                 if delay is None:
                     raise
-            await asyncio.sleep(delay)
+                await asyncio.sleep(delay)
+                continue
+            worker = result.worker
+            ticket = self.picker.table.begin(worker.worker_id, result.prefill_blocks)
+            return Picked(worker.worker_id, worker.address, ticket)
 
-    def report(self, worker_id: str, ok: bool, latency_ms: float, code: str = "") -> None:
-        """Tell the router how a call went; batched off the critical path (failures at once)."""
-        # To the router that answered last (outcomes are advice: never waited for).
-        self._outcomes.add(worker_id, ok, latency_ms, code, urgent=not ok)
+    def report(self, picked: Picked, ok: bool, code: str = "") -> None:
+        """End a picked call's count on its worker with its outcome (failures feed the
+        worker's breaker; a neutral code, e.g. CANCELLED, says nothing of the worker)."""
+        self.picker.table.finish(picked.worker_id, picked.ticket, ok, code)
+
+    async def _queue_of(self, worker: WorkerRecord) -> int | None:
+        """A worker's running and waiting requests, or None when it does not answer."""
+        try:
+            reply = await self._worker(worker.address).GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=self.settings.load_timeout_s
+            )
+        except OmniflowError as exc:
+            log.debug("GetLoad of %s failed: %s", worker.worker_id, exc.code_name)
+            return None
+        return reply.load.running_requests + reply.load.waiting_requests
 
     # ------------------------------------------------------------ workers
 
@@ -371,7 +394,12 @@ class Backends:
             rpc.cancel()
 
     async def close(self) -> None:
-        await self._outcomes.close(wait_s=1.0)
+        if self._health is not None:
+            self._health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health
+            self._health = None
+        await self.picker.close()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

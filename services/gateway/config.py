@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omniflow.chat.tools import parse_tool_formats
-from omniflow.config import CommonSettings, SettingsError, peer_address, setting
+from omniflow.config import SettingsError, peer_address, setting
+from omniflow.routing.settings import PickSettings
 
-# "router": leave the choice to the router's default for the role.
+# "router": the role's default strategy (OMNIFLOW_ROUTER_ROLE_STRATEGIES, else
+# OMNIFLOW_ROUTER_STRATEGY), as the router would pick.
 LLM_STRATEGIES = (
     "kv_aware",
     "round_robin",
@@ -19,8 +21,9 @@ LLM_STRATEGIES = (
 
 
 @dataclass(frozen=True, slots=True)
-class GatewaySettings(CommonSettings):
-    """Settings of the OpenAI-compatible HTTP gateway (plus the common ones).
+class GatewaySettings(PickSettings):
+    """Settings of the OpenAI-compatible HTTP gateway (plus the pick policy's, which its
+    in-process pick reads as the router does, and the common ones).
 
     The gateway binds ``OMNIFLOW_HOST`` like every service, on its own HTTP port
     (``OMNIFLOW_GATEWAY_PORT``); it serves ``/metrics`` on that port, so
@@ -65,21 +68,15 @@ class GatewaySettings(CommonSettings):
     pick_timeout_s: float = setting(
         "OMNIFLOW_GATEWAY_PICK_TIMEOUT_S",
         2.0,
-        "deadline of Pick calls to the router",
+        "deadline of the coordinator calls that list workflows and read a workflow's graph",
         minimum=0.001,
     )
     llm_strategy: str = setting(
         "OMNIFLOW_GATEWAY_LLM_STRATEGY",
         "kv_aware",
-        "routing strategy of llm calls (router: the router's default for the role)",
+        "routing strategy of llm calls, picked in the gateway's process (router: the role's "
+        "default, OMNIFLOW_ROUTER_ROLE_STRATEGIES / OMNIFLOW_ROUTER_STRATEGY)",
         choices=LLM_STRATEGIES,
-    )
-    lone_worker_pick: bool = setting(
-        "OMNIFLOW_GATEWAY_LONE_WORKER_PICK",
-        False,
-        "ask the router's Pick also for a model one live worker serves (the router's load "
-        "then counts those calls); off: they go straight to that worker, no Pick and no "
-        "report, and the router reads its load from the worker's own queue (GetLoad)",
     )
     max_prompt_bytes: int = setting(
         "OMNIFLOW_GATEWAY_MAX_PROMPT_BYTES",
@@ -137,12 +134,10 @@ class GatewaySettings(CommonSettings):
     failover_wait_s: float = setting(
         "OMNIFLOW_GATEWAY_FAILOVER_WAIT_S",
         10.0,
-        "how long a request waits for a router or coordinator replica to answer (every one "
-        "is tried, then tried again with backoff), or for a live worker of its model, "
-        "before its 503",
+        "how long a request waits for a coordinator replica to answer (every one is tried, "
+        "then tried again with backoff), or for a live worker of its model, before its 503",
         minimum=0,
     )
-    router_addr: str = peer_address("OMNIFLOW_ROUTER_ADDR", "router address")
     coordinator_addr: str = peer_address("OMNIFLOW_COORDINATOR_ADDR", "coordinator address")
     models_dir: str = setting(
         "OMNIFLOW_MODELS_DIR",

@@ -1,6 +1,6 @@
 """The gateway's request logic, free of HTTP: which workers serve a model, the prompt's
-template and token ids (once, here), the router pick with the prompt's block hashes,
-and the worker streams of each choice.
+template and token ids (once, here), the pick of a worker with the prompt's block hashes
+(in this process: ``Backends.pick``), and the worker streams of each choice.
 
 Models are named as workers registered them: the last component of a worker's model
 folder (``smollm2-135m-instruct``); workflows as ``workflow:<name>``.
@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
@@ -263,9 +262,8 @@ class GatewayCore:
         wait = Backoff.within(self.settings.failover_wait_s, 0.05, 1.0)
         for attempt in itertools.count():
             mine = {w.worker_id for w in prep.workers} - set(failed)
-            picked = ahead or await self._pick(prep, others + (failed if mine else ()), failed)
+            picked = ahead or await self._pick(prep, others + (failed if mine else ()))
             ahead = None
-            started = time.perf_counter()
             sent = False
             held: list[GenChunk] = []
             last: GenChunk | None = None
@@ -278,7 +276,7 @@ class GatewayCore:
                         sent, last = True, chunk
                         yield chunk
             except Unavailable as exc:
-                self._report(picked, started, False, "UNAVAILABLE")
+                self._report(picked, False, "UNAVAILABLE")
                 # Past its tries, a worker restarting (the model's only one) is waited for.
                 if sent or (attempt >= MAX_ATTEMPTS - 1 and not await wait.wait()):
                     raise
@@ -288,12 +286,12 @@ class GatewayCore:
                 call = replace(call, request_id=new_id("gen"))
                 continue
             except OmniflowError as exc:
-                self._report(picked, started, False, exc.code_name)
+                self._report(picked, False, exc.code_name)
                 raise
             except BaseException:  # cancelled: the client went away, not the worker's fault
-                self._report(picked, started, True)
+                self._report(picked, True)
                 raise
-            self._report(picked, started, True)
+            self._report(picked, True)
             for chunk in held:
                 yield chunk
             self._spent(held[-1] if held else last)
@@ -311,29 +309,18 @@ class GatewayCore:
         """Hand back picks no stream used (the client left first): neutral outcomes."""
         for prep in preps:
             for picked in prep.picked.values():
-                if picked.routed:
-                    self.backends.report(picked.worker_id, True, 0.0)
+                self.backends.report(picked, False, "CANCELLED")
             prep.picked.clear()
 
-    async def _pick(
-        self, prep: Prepared, exclude: tuple[str, ...], failed: tuple[str, ...] = ()
-    ) -> Picked:
-        lone = prep.workers[0] if len(prep.workers) == 1 else None
-        if lone is not None and not failed and not self.settings.lone_worker_pick:
-            # One live worker serves the model: every strategy's answer is that worker, so
-            # the Pick round trip (a gRPC call, most of the gateway's own latency) is not
-            # made. A retry after a failure asks the router (its listing may know the
-            # worker's new address; its breakers); see OMNIFLOW_GATEWAY_LONE_WORKER_PICK.
-            return Picked(lone.worker_id, lone.address, routed=False)
-        n_ids = len(prep.token_ids) if prep.token_ids is not None else 0
-        strategy = self.settings.llm_strategy
+    async def _pick(self, prep: Prepared, exclude: tuple[str, ...]) -> Picked:
+        # Token ids: the strategy weighs their blocks (kv_aware); media: the role's default.
+        strategy = self.settings.llm_strategy if prep.token_ids is not None else ""
         pick = self.backends.pick(
             "llm",
             "generate",
-            strategy=strategy if prep.token_ids is not None else "",
+            strategy=strategy,
             namespace=prep.namespace,
             hashes=prep.hashes,
-            prompt_tokens=n_ids,
             exclude=exclude,
         )
         return await _served(prep.model, pick)
@@ -344,9 +331,8 @@ class GatewayCore:
             tokens = last.prompt_tokens + last.completion_tokens
             self.share.spent(policy.current().tenant, tokens)
 
-    def _report(self, picked: Picked, started: float, ok: bool, code: str = "") -> None:
-        if picked.routed:  # an outcome ends the router's count of its own pick only
-            self.backends.report(picked.worker_id, ok, (time.perf_counter() - started) * 1e3, code)
+    def _report(self, picked: Picked, ok: bool, code: str = "") -> None:
+        self.backends.report(picked, ok, code)
 
     async def merged(
         self, preps: list[Prepared], n: int, whole: bool = False
@@ -402,15 +388,14 @@ class GatewayCore:
         picked = await _served(
             model, self.backends.pick("diffusion", "generate_image", exclude=exclude)
         )
-        started = time.perf_counter()
         try:
             png = await self.backends.generate_image(
                 picked.address, new_id("img"), prompt, width, height, seed
             )
         except OmniflowError as exc:
-            self._report(picked, started, False, exc.code_name)
+            self._report(picked, False, exc.code_name)
             raise
-        self._report(picked, started, True)
+        self._report(picked, True)
         return png
 
     async def speech(self, model: str, text: str, voice: str, sample_rate: int = 0) -> bytes:
@@ -419,15 +404,14 @@ class GatewayCore:
         workers = await self.workers_for(model, "talker")
         exclude = await self._exclude("talker", workers)
         picked = await _served(model, self.backends.pick("talker", "synthesize", exclude=exclude))
-        started = time.perf_counter()
         try:
             wav = await self.backends.synthesize(
                 picked.address, new_id("tts"), text, talker_voice(voice), sample_rate
             )
         except OmniflowError as exc:
-            self._report(picked, started, False, exc.code_name)
+            self._report(picked, False, exc.code_name)
             raise
-        self._report(picked, started, True)
+        self._report(picked, True)
         return wav
 
     async def invoke(
@@ -443,13 +427,12 @@ class GatewayCore:
         workers = workers or await self.workers_for(model, role)
         exclude = await self._exclude(role, workers)
         picked = await _served(model, self.backends.pick(role, operation, exclude=exclude))
-        started = time.perf_counter()
         try:
             out = await self.backends.invoke(picked.address, new_id(role), operation, inputs)
         except OmniflowError as exc:
-            self._report(picked, started, False, exc.code_name)
+            self._report(picked, False, exc.code_name)
             raise
-        self._report(picked, started, True)
+        self._report(picked, True)
         return out
 
     async def workflow_info(self, name: str) -> WorkflowInfo:

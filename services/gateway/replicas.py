@@ -1,5 +1,5 @@
-"""Every replica of a control-plane service the gateway calls (routers, coordinators), and
-calls that fail over between them.
+"""Every replica of a control-plane service the gateway calls (the coordinators), and calls
+that fail over between them.
 
 The gateway keeps every address discovery lists (relisted every ``RECHECK_S``, or at once
 after a failure), the one that answered last first. A call that meets UNAVAILABLE (a dead,

@@ -71,12 +71,14 @@ async def serve(settings: GatewaySettings) -> int:
         loop.add_signal_handler(sig, stop.set)
     registry = registry_from_settings(settings)
     backends = Backends(settings, registry)
+    backends.start()  # the pick's load and health polling
     serving = [False]
     app = build_app(settings, GatewayCore(settings, backends), lambda: serving[0])
     try:
         sock = _bind(settings.host, settings.http_port)
     except RuntimeError as exc:
         log.error("gateway failed to start: %s", exc)
+        await backends.close()
         await registry.close()
         return 1
     port = sock.getsockname()[1]
@@ -97,6 +99,7 @@ async def serve(settings: GatewaySettings) -> int:
         await asyncio.sleep(0.01)
     if task.done():
         log.error("gateway failed to start: %s", task.exception())
+        await backends.close()
         await registry.close()
         return 1
     node = settings.resolved_node()
@@ -114,6 +117,7 @@ async def serve(settings: GatewaySettings) -> int:
         log.error("gateway failed to register: %s", exc)
         server.should_exit = True
         await task
+        await backends.close()
         await registry.close()
         return 1
     serving[0] = True

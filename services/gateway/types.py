@@ -45,8 +45,8 @@ class GenChunk:
 class Picked:
     worker_id: str
     address: str
-    #: False: no router was asked (the model's lone worker), so no outcome is reported.
-    routed: bool = True
+    #: The pick's count of this call on the worker (``Backends.report`` ends it).
+    ticket: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

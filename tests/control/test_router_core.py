@@ -320,3 +320,39 @@ def test_kv_aware_pull_costs_equal_the_full_walk_of_the_answer():
     for v in cands:
         credit, reachable = t.reachable(v.record, reach, t.pull_credit(v))
         assert got[v.record.worker_id] == (pytest.approx(max(64 - credit, 0.0)), reachable)
+
+
+class _CountingIndex:
+    """A prefix index that answers one owner, w1, holding every block; counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def match(self, namespace: bytes, hashes: list[bytes]) -> list[OwnerMatch]:
+        self.calls += 1
+        return [OwnerMatch("w1", "node1", "127.0.0.1:9001", "worker", len(hashes), (0, 0, 0))]
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_picker_asks_the_index_once_per_choice_and_not_for_a_lone_candidate():
+    from omniflow.config import load_settings
+    from omniflow.routing.picker import Picker
+    from omniflow.routing.settings import PickSettings
+
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    settings = load_settings(PickSettings, env={})
+    for match_alone in (True, False):
+        picker = Picker(settings, match_alone=match_alone)
+        picker.table = _table(2)
+        picker.index = index = _CountingIndex()
+        got = await picker.pick("llm", "kv_aware", namespace=b"n" * 16, hashes=hashes)
+        assert (got.worker.worker_id, got.reachable_blocks, index.calls) == ("w1", 4, 1)
+        # w1 excluded: w0 is the one candidate, picked whether or not the index is asked.
+        alone = await picker.pick(
+            "llm", "kv_aware", exclude=("w1",), namespace=b"n" * 16, hashes=hashes
+        )
+        assert alone.worker.worker_id == "w0" and alone.fallback_reason == ""
+        assert index.calls == (2 if match_alone else 1)
+        assert picker.table.counters["pick_kv_aware"] == 2

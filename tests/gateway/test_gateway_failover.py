@@ -1,31 +1,30 @@
-"""The gateway keeps every router it discovers and fails over between them; it waits for a
-lone router that restarts; a worker that dies mid-answer costs a non-streamed request
+"""The gateway picks workers in its own process: it serves with no router running, counts
+its calls on each worker, and a worker that dies mid-answer costs a non-streamed request
 nothing (it is generated again elsewhere). Real processes on a Redis of the test's own:
-echo TEST workers (their answer echoes the prompt's token ids, so it is checkable), two
-routers, the gateway; requests through the official ``openai`` client with its own
-retries off, so that every failure the gateway lets through is seen."""
+echo TEST workers (their answer echoes the prompt's token ids, so it is checkable) and
+the gateway; requests through the official ``openai`` client with its own retries off, so
+that every failure the gateway lets through is seen."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
+from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.rpc.client import open_channel
 from omniflow.testing.launch import ServiceProc
+from omniflow.values import to_python
 
 pytestmark = pytest.mark.integration
 
 openai = pytest.importorskip("openai", reason="the official openai client is the reference")
 
 ECHO = "omniflow_services.worker"  # with the echo engine (OMNIFLOW_WORKER_ENGINE=echo)
-ROUTER = "omniflow_services.router"
 GATEWAY = "omniflow_services.gateway"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 2
 
@@ -43,7 +42,6 @@ def _topology(
     launch: Callable[..., ServiceProc],
     tmp: Path,
     *,
-    routers: int,
     delay_ms: str,
     workers: int = 2,
     **gateway_env: str,
@@ -59,8 +57,6 @@ def _topology(
         )
     for proc in procs.values():
         proc.wait_ready()
-    for i in range(routers):
-        procs[f"router-{i}"] = _router(launch, f"router-{i}")
     env = {
         "OMNIFLOW_GATEWAY_PORT": "0",
         "OMNIFLOW_MODELS_DIR": str(_models_dir(tmp)),
@@ -70,12 +66,6 @@ def _topology(
     }
     procs["gateway"] = launch(GATEWAY, "gateway", **env).wait_ready(timeout_s=60)
     return procs
-
-
-def _router(launch: Callable[..., ServiceProc], name: str) -> ServiceProc:
-    return launch(
-        ROUTER, name, OMNIFLOW_ROUTER_HEALTH_INTERVAL_S="0.2", OMNIFLOW_REGISTRATION_TTL_S="3"
-    ).wait_ready()
 
 
 def _client(gateway: ServiceProc) -> openai.AsyncOpenAI:
@@ -105,12 +95,13 @@ async def _outcome(client: openai.AsyncOpenAI, stream: bool, delay_s: float) -> 
         return f"FAILED {type(exc).__name__}: {exc}"
 
 
-async def _picks(router: str) -> int:
-    async with open_channel(router) as channel:
-        stats = await router_pb2_grpc.RouterServiceStub(channel).GetStats(
-            router_pb2.GetStatsRequest(), timeout=5
+async def _calls(worker: ServiceProc) -> int:
+    """The Generate calls an echo worker took (its ``stats`` operation)."""
+    async with open_channel(worker.address) as channel:
+        reply = await worker_pb2_grpc.WorkerServiceStub(channel).Invoke(
+            worker_pb2.InvokeRequest(operation="stats"), timeout=5
         )
-    return sum(n for name, n in stats.counters.items() if name.startswith("pick_"))
+    return int(to_python(reply.outputs["calls"]))
 
 
 def _metric(gateway: ServiceProc, name: str) -> float:
@@ -118,46 +109,24 @@ def _metric(gateway: ServiceProc, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-async def test_killing_one_of_two_routers_loses_no_request(
+async def test_requests_are_picked_in_the_gateway_with_no_router(
     launch: Callable[..., ServiceProc], tmp_path: Path
 ) -> None:
-    procs = _topology(launch, tmp_path, routers=2, delay_ms="20")
+    # No router runs: every pick is the gateway's own (round robin over the two workers).
+    procs = _topology(launch, tmp_path, delay_ms="20")
     client = _client(procs["gateway"])
     expected = await _complete(client, stream=False)
     assert expected.startswith("echo: ") and len(expected.split()) > 5, expected
-    # 40 requests spread over ~2 s, streamed and not; a router dies 0.5 s in.
     tasks = [
-        asyncio.create_task(_outcome(client, stream=i % 2 == 1, delay_s=i * 0.05))
-        for i in range(40)
+        asyncio.create_task(_outcome(client, stream=i % 2 == 1, delay_s=i * 0.02))
+        for i in range(20)
     ]
-    await asyncio.sleep(0.5)
-    # The router the gateway uses is the one that made the picks so far: that one dies.
-    picks = {name: await _picks(procs[name].address) for name in ("router-0", "router-1")}
-    procs[max(picks, key=lambda n: picks[n])].kill()
     answers = await asyncio.gather(*tasks)
     wrong = [a for a in answers if a != expected]
-    assert not wrong, f"{len(wrong)} of 40 failed or wrong, e.g. {wrong[0]!r}"
-    # The gateway did meet the dead router (else this test proved nothing).
-    assert _metric(procs["gateway"], 'omniflow_gateway_failovers_total{service="router"}') > 0
-    await client.close()
-
-
-async def test_a_lone_router_restarting_is_waited_for(
-    launch: Callable[..., ServiceProc], tmp_path: Path
-) -> None:
-    procs = _topology(launch, tmp_path, routers=1, delay_ms="5")
-    client = _client(procs["gateway"])
-    expected = await _complete(client, stream=False)
-    procs["router-0"].kill()
-    killed = time.monotonic()
-    tasks = [
-        asyncio.create_task(_outcome(client, stream=i % 2 == 1, delay_s=i * 0.1)) for i in range(10)
-    ]
-    await asyncio.sleep(1.5)  # the supervisor's restart, by hand: a new router, a new port
-    _router(launch, "router-1")
-    answers = await asyncio.gather(*tasks)
-    assert answers == [expected] * 10, answers
-    assert time.monotonic() - killed > 1.5  # some of them did wait for the new router
+    assert not wrong, f"{len(wrong)} of 20 failed or wrong, e.g. {wrong[0]!r}"
+    # The gateway's round robin spread them over both workers.
+    calls = [await _calls(procs[name]) for name in ("llm-0", "llm-1")]
+    assert sum(calls) == 21 and min(calls) >= 9, calls
     await client.close()
 
 
@@ -165,7 +134,7 @@ async def test_a_worker_dying_mid_answer_is_retried_for_a_whole_answer(
     launch: Callable[..., ServiceProc], tmp_path: Path
 ) -> None:
     # 100 ms per word: an answer of ~20 words takes 2 s, so the kill lands mid-answer.
-    procs = _topology(launch, tmp_path, routers=1, delay_ms="100")
+    procs = _topology(launch, tmp_path, delay_ms="100")
     client = _client(procs["gateway"])
     expected = await _complete(client, stream=False)
     tasks = [asyncio.create_task(_outcome(client, False, i * 0.05)) for i in range(6)]
@@ -190,7 +159,6 @@ async def test_a_tenant_past_its_tokens_per_minute_is_refused_alone(
     procs = _topology(
         launch,
         tmp_path,
-        routers=1,
         delay_ms="1",
         OMNIFLOW_GATEWAY_API_KEYS_FILE=str(keys),
         OMNIFLOW_GATEWAY_TENANT_TOKENS_PER_MINUTE="60",
@@ -211,42 +179,14 @@ async def test_a_tenant_past_its_tokens_per_minute_is_refused_alone(
     await b.close()
 
 
-async def test_a_lone_worker_is_called_without_a_pick(
+async def test_a_lone_worker_that_died_is_a_503_within_the_wait(
     launch: Callable[..., ServiceProc], tmp_path: Path
 ) -> None:
-    # One worker serves "echo": the gateway calls it without asking the router (no Pick,
-    # no outcome); with OMNIFLOW_GATEWAY_LONE_WORKER_PICK=true it asks, once per request.
-    procs = _topology(launch, tmp_path, routers=1, delay_ms="0", workers=1)
-    router = procs["router-0"].address
-    client = _client(procs["gateway"])
-    expected = await _complete(client, stream=False)
-    assert expected.startswith("echo: "), expected
-    for stream in (True, False, True):
-        assert await _complete(client, stream) == expected
-    assert await _picks(router) == 0
-    await client.close()
-    asking = launch(
-        GATEWAY,
-        "gateway-asking",
-        OMNIFLOW_GATEWAY_PORT="0",
-        OMNIFLOW_MODELS_DIR=str(tmp_path / "models"),
-        OMNIFLOW_GATEWAY_LONE_WORKER_PICK="true",
-    ).wait_ready(timeout_s=60)
-    client = _client(asking)
-    for stream in (True, False):
-        assert await _complete(client, stream) == expected
-    assert await _picks(router) == 2
-    await client.close()
-
-
-async def test_a_lone_worker_that_died_is_asked_of_the_router_then_503(
-    launch: Callable[..., ServiceProc], tmp_path: Path
-) -> None:
-    # The model's only worker died without deregistering: the direct call fails, the retry
-    # asks the router (which has nothing better), and the answer is 503 within the wait (a
-    # streamed one would have had its 200 already, and ends with an error event).
+    # The model's only worker died without deregistering: the call fails, the retries find
+    # nothing better within the wait, and the answer is 503 (a streamed one would have had
+    # its 200 already, and ends with an error event).
     procs = _topology(
-        launch, tmp_path, routers=1, delay_ms="0", workers=1, OMNIFLOW_GATEWAY_FAILOVER_WAIT_S="1"
+        launch, tmp_path, delay_ms="0", workers=1, OMNIFLOW_GATEWAY_FAILOVER_WAIT_S="1"
     )
     client = _client(procs["gateway"])
     await _complete(client, stream=False)
@@ -254,5 +194,6 @@ async def test_a_lone_worker_that_died_is_asked_of_the_router_then_503(
     with pytest.raises(openai.APIStatusError) as err:
         await _complete(client, stream=False)
     assert err.value.status_code == 503, err.value
-    assert await _picks(procs["router-0"].address) > 0  # the retry did ask the router
+    retried = 'omniflow_gateway_worker_retries_total{when="before_first_token"}'
+    assert _metric(procs["gateway"], retried) > 0  # the dead worker was tried again
     await client.close()

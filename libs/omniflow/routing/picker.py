@@ -38,8 +38,12 @@ def acknowledged(node: str, blocks: int) -> OwnerMatch:
 class Picker:
     """The pick policy of one process: its worker table and its way to the KV index."""
 
-    def __init__(self, settings: PickSettings) -> None:
+    def __init__(self, settings: PickSettings, *, match_alone: bool = True) -> None:
+        """``match_alone``: ask the index also when one worker is a candidate (the router
+        does: its answer reports the match); without it such a pick weighs nothing and asks
+        nothing, the same worker one index round trip sooner (the gateway)."""
         self.settings = settings
+        self.match_alone = match_alone
         self.table = WorkerTable(
             breaker_threshold=settings.breaker_threshold,
             breaker_cooldown_s=settings.breaker_cooldown_s,
@@ -75,9 +79,16 @@ class Picker:
         if not role:
             raise InvalidArgument("role is required (e.g. 'llm', 'encoder', 'diffusion')")
         strategy = strategy or self.settings.strategy_for(role)
+        exclude = tuple(exclude)
         reach, fallback = None, ""
+        cands = None
         if strategy == "kv_aware":
-            reach, fallback = await self._match(namespace, hashes or [])
+            if not self.match_alone:
+                cands = self.table.candidates(role, exclude, operation)
+            if cands is None or len(cands) > 1:
+                reach, fallback = await self._match(namespace, hashes or [])
+            else:
+                reach = []
             if stored_node and hashes:
                 reach = [*(reach or []), acknowledged(stored_node, len(hashes))]
         return self.table.pick(
@@ -91,6 +102,7 @@ class Picker:
             temperature=temperature or self.settings.kv_temperature,
             load_weight=self.settings.kv_load_weight,
             fallback_reason=fallback,
+            cands=cands,
         )
 
     async def _match(

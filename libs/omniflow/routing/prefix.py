@@ -3,8 +3,8 @@
 Two ways, behind one small interface (``prefix_index`` opens the one the settings name):
 the kv-index's gRPC ``MatchPrefix`` (the normal one), or the index's store straight against
 its Redis (``omniflow.kv.index_store``, the library module that owns the key layout; for
-deployments, tests and benches where the kv-index edge is not there). Either answers within the pick's deadline or
-the pick falls back to load only.
+deployments, tests and benches where the kv-index edge is not there). Either answers
+within the pick's deadline or the pick falls back to load only.
 """
 
 from __future__ import annotations

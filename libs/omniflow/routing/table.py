@@ -350,18 +350,21 @@ class WorkerTable:
         load_weight: float = 1.0,
         fallback_reason: str = "",
         page: tuple[int, int] = (0, 0),
+        cands: list[_Live] | None = None,
     ) -> PickResult:
         """One worker of ``role`` by ``strategy``; raises NotFound when none is live.
 
         For ``kv_aware``, ``reach`` is the index's answer (None: it did not answer, so
         the pick is by load only) and ``page`` the namespace's (bytes, tokens) per block,
-        which prices a pull from another node ((0, 0): unknown, never pulled).
+        which prices a pull from another node ((0, 0): unknown, never pulled). ``cands``:
+        ``candidates(role, exclude, operation)`` when the caller already took them.
         """
         if strategy not in STRATEGIES:
             raise InvalidArgument(
                 f"unknown strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}"
             )
-        cands = self.candidates(role, exclude, operation)
+        if cands is None:
+            cands = self.candidates(role, exclude, operation)
         self.count(f"pick_{strategy}")
         if strategy == "kv_aware":
             result = self._kv_aware(cands, reach, prompt_blocks, temperature, load_weight, page)
