@@ -52,27 +52,24 @@ class Counters:
     pages_received: int = 0
 
 
+@dataclass(eq=False)
 class PageReceiver:
     """Assembles streamed pages of one namespace into reserved host slots."""
 
-    def __init__(
-        self,
-        pool: PagePool,
-        namespace: bytes,
-        max_chunk_bytes: int,
-        counters: Counters,
-        expected: list[bytes] | None = None,
-    ) -> None:
-        self.pool = pool
-        self.namespace = namespace
-        self.max_chunk_bytes = max_chunk_bytes
-        self.counters = counters
+    pool: PagePool
+    namespace: bytes
+    max_chunk_bytes: int
+    counters: Counters
+    #: In a pull, ``expected`` (the hashes asked for, in order) are the only pages accepted.
+    expected: list[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        # What the stream did (PutPages answers with the first three).
         self.stored = 0
         self.rejected = 0
         self.errors: list[str] = []
         self.bytes = 0
-        #: In a pull, ``expected`` (the hashes asked for, in order) are the only pages accepted.
-        self._order = ChunkOrder(pool.page_bytes, expected, max_chunk_bytes)
+        self._order = ChunkOrder(self.pool.page_bytes, self.expected, self.max_chunk_bytes)
         self._res: Reservation | None = None
         self._skip = False  # already held: the bytes are read and dropped
 
