@@ -31,11 +31,19 @@ VALID_DAYS = 365
 
 @dataclass(frozen=True, slots=True)
 class IssuedCert:
-    """Where one identity's certificate and key were written."""
+    """Where one identity's certificate was written; its key is the file beside it."""
 
     identity: Identity
     cert: Path
-    key: Path
+
+    @property
+    def key(self) -> Path:
+        return key_of(self.cert)
+
+
+def key_of(cert: Path) -> Path:
+    """The key file of an identity certificate: ``<stem>.key`` next to its ``<stem>.pem``."""
+    return cert.with_suffix(".key")
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
@@ -176,10 +184,10 @@ def issue(
         .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
     )
     stem = identity.file_stem
-    key_path, cert_path = folder / f"{stem}.key", folder / f"{stem}.pem"
-    _write_key(key_path, key)
-    _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM))
-    return IssuedCert(identity, cert_path, key_path)
+    issued = IssuedCert(identity, folder / f"{stem}.pem")
+    _write_key(issued.key, key)
+    _write_private(issued.cert, cert.public_bytes(serialization.Encoding.PEM))
+    return issued
 
 
 def extra_names(cert_path: Path) -> tuple[str, ...]:
@@ -201,7 +209,7 @@ def identity_certs(folder: Path) -> list[Path]:
     return [
         p
         for p in sorted(folder.glob("*.pem"))
-        if p.name not in (CA_CERT, CA_NEXT_CERT) and p.with_suffix(".key").is_file()
+        if p.name not in (CA_CERT, CA_NEXT_CERT) and key_of(p).is_file()
     ]
 
 
@@ -216,8 +224,9 @@ def renew_all(folder: Path, ca: tuple[Path, Path] | None = None) -> list[IssuedC
         identity = identity_of_pem(cert_path.read_bytes())
         issued = issue(folder, identity, extra_names(cert_path), ca)
         if issued.cert != cert_path:  # a file named otherwise: keep the name services read
-            issued.cert.replace(cert_path)
-            issued.key.replace(cert_path.with_suffix(".key"))
-            issued = IssuedCert(identity, cert_path, cert_path.with_suffix(".key"))
+            renamed = IssuedCert(identity, cert_path)
+            issued.cert.replace(renamed.cert)
+            issued.key.replace(renamed.key)
+            issued = renamed
         renewed.append(issued)
     return renewed

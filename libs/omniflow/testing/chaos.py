@@ -64,6 +64,8 @@ WORKFLOW = "chaos"
 # (about 8 s in all: a single restarted service is back within the 10 s window).
 RETRIES = 6
 MAX_BACKOFF_S = 2.0
+#: How often a phase probes, after its kill, whether both kinds of request answer again.
+RECOVERY_PROBE_S = 0.5
 
 
 # Prompts for a real model: a shared context several KV pages long (16 tokens a page), so
@@ -386,7 +388,7 @@ class Load:
         return wf_ok, direct_ok
 
 
-async def _recovery(load: Load, killed_at: float, window_s: float, every_s: float) -> float | None:
+async def _recovery(load: Load, killed_at: float, window_s: float) -> float | None:
     seen = [False, False]
     end = killed_at + window_s
     while time.monotonic() < end:
@@ -395,22 +397,16 @@ async def _recovery(load: Load, killed_at: float, window_s: float, every_s: floa
             seen[i] = seen[i] or ok
         if all(seen):
             return time.monotonic() - killed_at
-        await asyncio.sleep(max(0.0, every_s - (time.monotonic() - started)))
+        await asyncio.sleep(max(0.0, RECOVERY_PROBE_S - (time.monotonic() - started)))
     return None
 
 
 async def run_phase(
-    topo: LocalTopology,
-    load: Load,
-    target: str,
-    requests: int,
-    *,
-    spacing_s: float = 0.08,
-    window_s: float = 10.0,
-    probe_interval_s: float = 0.5,
+    load: Load, target: str, requests: int, *, spacing_s: float = 0.08, window_s: float = 10.0
 ) -> PhaseResult:
-    """Send ``requests`` (alternating kinds) ``spacing_s`` apart; SIGKILL ``target`` after a
-    third of them started; wait for them all and for the recovery probes."""
+    """Send ``requests`` (alternating kinds) ``spacing_s`` apart; SIGKILL ``target`` of the
+    load's topology after a third of them started; wait for them all and for the recovery
+    probes (up to ``window_s`` after the kill)."""
     result = PhaseResult(target)
     prompts = list(load.expected)
     tasks: list[asyncio.Task[tuple[str, str]]] = []
@@ -428,10 +424,8 @@ async def run_phase(
         tasks.append(asyncio.create_task(kind(prompt)))
         if i == requests // 3:
             if target != NO_FAULT:
-                topo.kill(target)
-            recovery = asyncio.create_task(
-                _recovery(load, time.monotonic(), window_s, probe_interval_s)
-            )
+                load.topo.kill(target)
+            recovery = asyncio.create_task(_recovery(load, time.monotonic(), window_s))
         await asyncio.sleep(spacing_s)
     for outcome, detail in await asyncio.gather(*tasks):
         result.counts[outcome] += 1
@@ -533,7 +527,7 @@ async def chaos(
                 kill = "no kill (control)" if target == NO_FAULT else f"SIGKILL {target}"
                 log(f"phase: {kill} under load ...")
                 phase = await run_phase(
-                    topo, load, target, per_phase, window_s=window_s, spacing_s=spacing_s
+                    load, target, per_phase, window_s=window_s, spacing_s=spacing_s
                 )
                 if not await wait_healthy(topo, 60.0):
                     phase.notes.append("topology not healthy again within 60 s")
