@@ -12,12 +12,14 @@ Three kinds of timer, each step measured where it runs:
   hashes (``omniflow.chat.Preprocessor``, as the gateway does it once), one SSE chunk built
   and encoded (``ChatCompletionChunk`` + ``sse``, as ``openai_api`` writes every token);
 * on a real topology (``serve_stack.start_omniflow``: Redis, kv-index, kv-agent, router
-  with ``llm=kv_aware``, one llm worker, the gateway): the router's ``Pick`` (kv_aware and
-  round_robin), the kv-index's ``MatchPrefix`` alone and the same match straight on Redis
-  (one Lua call), and the same request through the gateway (raw HTTP/1.1 on a kept-alive
+  with ``llm=kv_aware``, one llm worker, the gateway): the pick as the gateway makes it in
+  its own process (``omniflow.routing.picker``, kv_aware and round_robin, over the same
+  discovery listing and way to the index), the router's ``Pick`` (the coordinator's path),
+  the kv-index's ``MatchPrefix`` alone and the same match straight on Redis (one Lua
+  call), and the same request through the gateway (raw HTTP/1.1 on a kept-alive
   connection) and as token ids to the worker's ``Generate`` directly, paired and
   interleaved (a different prompt each call: no prefix-cache hit between the pair); their
-  median difference is what the gateway adds, Pick included;
+  median difference is what the gateway adds, its pick included;
 * the engine in this process (the worker's engine class, same settings), its scheduler and
   forward timed per step: how long a new request waits before the step that admits it
   (scheduler wait), its prefill steps, the hand-off from the step's end to the stream that
@@ -47,9 +49,14 @@ from omniflow.api.kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.chat import Preprocessor
+from omniflow.config import load_settings
+from omniflow.discovery import make_registry
 from omniflow.kv.index_store import KVIndex
 from omniflow.localredis import redis_client
+from omniflow.routing.picker import Picker
+from omniflow.routing.settings import PickSettings
 from omniflow.rpc.client import open_channel
+from omniflow.workers import WORKER_SERVICE, worker_from_instance
 
 FILLER = (
     "Explain in plain words how a hash table stores keys, why collisions happen, what a "
@@ -311,7 +318,8 @@ def index_address(run_dir: Path) -> str:
 async def rpc_steps(
     of, procs_dir: Path, pre: Preprocessor, msgs: list[dict], samples: int
 ) -> dict[str, float]:
-    """Pick (kv_aware, round_robin), MatchPrefix, and the same match on Redis, timed alone."""
+    """The gateway's in-process pick and the router's Pick (kv_aware, round_robin),
+    MatchPrefix, and the same match on Redis, timed alone."""
     ids = pre.encode_chat(msgs)
     hashes = pre.block_hashes(ids)
     rch = open_channel(of.router, default_timeout_s=10, max_in_flight=None)
@@ -322,6 +330,22 @@ async def rpc_steps(
     redis = redis_client(of.base["OMNIFLOW_REDIS_URL"], 5.0)
     store = KVIndex(redis)
     await store.start()
+    registry = make_registry("redis", url=of.base["OMNIFLOW_REDIS_URL"], timeout_s=5.0)
+    picker = Picker(load_settings(PickSettings, env=of.base))
+
+    async def resolve() -> str:
+        return index_addr
+
+    picker.open_index(resolve)
+    picker.table.replace(worker_from_instance(i) for i in await registry.list(WORKER_SERVICE))
+    namespace = bytes.fromhex(of.namespace)
+
+    def local(strategy: str):
+        async def one() -> None:
+            r = await picker.pick("llm", strategy, namespace=namespace, hashes=hashes)
+            picker.table.finish(r.worker.worker_id, picker.table.begin(r.worker.worker_id), True)
+
+        return one
 
     async def timed(coro_fn) -> float:
         t = time.perf_counter()
@@ -343,6 +367,8 @@ async def rpc_steps(
     lua = lambda: store.match_prefix(bytes.fromhex(of.namespace), hashes)  # noqa: E731
     ping = lambda: redis.ping()  # noqa: E731
     calls = {
+        "local_kv": local("kv_aware"),
+        "local_rr": local("round_robin"),
         "pick_kv": pick(router_pb2.STRATEGY_KV_AWARE),
         "pick_rr": pick(router_pb2.STRATEGY_ROUND_ROBIN),
         "match_grpc": match,
@@ -359,6 +385,8 @@ async def rpc_steps(
     await rch.close()
     await ich.close()
     await redis.aclose()
+    await picker.close()
+    await registry.close()
     return {k: med(v) for k, v in times.items()}
 
 
@@ -381,8 +409,12 @@ def table(cpu: dict, top: dict, eng: dict, args: argparse.Namespace) -> str:
     row("  chat template rendered (jinja)", [cpu["render"]] * same, "in-process")
     row("  tokenized (tokenizers)", [cpu["encode"]] * same, "in-process")
     row("  block hashes (xxh3_128 chain)", [cpu["hashes"]] * same, "in-process")
-    row("router Pick, kv_aware (gRPC, index match inside)", [rpc.get("pick_kv")] * same,
-        "client -> router")  # fmt: skip
+    row("gateway pick, kv_aware (in-process, one index match)", [rpc.get("local_kv")] * same,
+        "in-process")  # fmt: skip
+    row("  gateway pick, round_robin (in-process, no index)", [rpc.get("local_rr")] * same,
+        "in-process")  # fmt: skip
+    row("router Pick, kv_aware (the coordinator's; gRPC, index match inside)",
+        [rpc.get("pick_kv")] * same, "client -> router")  # fmt: skip
     row("  router Pick, round_robin (no index)", [rpc.get("pick_rr")] * same, "client -> router")
     row("  kv-index MatchPrefix (gRPC)", [rpc.get("match_grpc")] * same, "client -> kv-index")
     row("  the same match on Redis (one Lua call)", [rpc.get("match_redis")] * same,

@@ -43,12 +43,13 @@ and level, ours / vLLM's server as the issue's rows do. Then, one system after a
   Each worker or server gets ``--cross-threads`` threads (default half the cores);
 * gateway overhead: the same 1-token chat through the gateway (raw HTTP, no SDK) and as
   token ids straight to the worker's ``Generate``, interleaved: the median paired
-  difference of time to first token, with the router's Pick and the template+tokenize
-  step timed alone for the breakdown. The worker here is the echo TEST worker (no
-  compute: it answers at once), registered as model ``echo`` with SmolLM2's tokenizer,
-  so that the model's step time (tens of ms, noisy on a shared machine) does not drown
-  the gateway's own cost. Twice: with one echo worker (the model's lone worker, called
-  without the router's Pick) and with two (the router's kv_aware Pick on the path).
+  difference of time to first token, with the pick (as the gateway makes it, in its own
+  process: ``omniflow.routing.picker``, kv_aware with the index's prefix match), the
+  router's Pick (the coordinator's path) and the template+tokenize step timed alone for
+  the breakdown. The worker here is the echo TEST worker (no compute: it answers at once),
+  registered as model ``echo`` with SmolLM2's tokenizer, so that the model's step time
+  (tens of ms, noisy on a shared machine) does not drown the gateway's own cost. Twice:
+  with one echo worker and with two (the model has a choice: the kv_aware pick decides).
   ``bench/serve_breakdown.py`` times every step of one request.
 """
 
@@ -84,7 +85,12 @@ from omniflow.api.common.v1 import common_pb2
 from omniflow.api.router.v1 import router_pb2, router_pb2_grpc
 from omniflow.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from omniflow.chat import Preprocessor
+from omniflow.config import load_settings
+from omniflow.discovery import find_address, make_registry
+from omniflow.routing.picker import Picker
+from omniflow.routing.settings import PickSettings
 from omniflow.rpc.client import open_channel
+from omniflow.workers import WORKER_SERVICE, worker_from_instance
 
 DEFAULT_VLLM = Path.home() / ".cache/omniflow/venvs/vllm/bin/python"
 QUESTIONS = [
@@ -302,6 +308,20 @@ async def overhead(of: Omniflow, folder: Path, samples: int) -> dict[str, float]
             seen += await reader.read(65536)
         return time.perf_counter() - start
 
+    # The gateway's pick, made here as the gateway makes it (its settings: the topology's
+    # env, so the same way to the index), over the same discovery listing.
+    registry = make_registry("redis", url=of.base["OMNIFLOW_REDIS_URL"], timeout_s=5.0)
+    picker = Picker(load_settings(PickSettings, env=of.base))
+    picker.open_index(lambda: find_address(registry, "kv-index"))
+    picker.table.replace(worker_from_instance(i) for i in await registry.list(WORKER_SERVICE))
+    namespace = bytes.fromhex(of.namespace)
+
+    async def local_pick(strategy: str = "kv_aware") -> float:
+        start = time.perf_counter()
+        r = await picker.pick("llm", strategy, namespace=namespace, hashes=hashes)
+        picker.table.finish(r.worker.worker_id, picker.table.begin(r.worker.worker_id), True)
+        return time.perf_counter() - start
+
     async def pick(strategy: int = router_pb2.STRATEGY_KV_AWARE) -> float:
         start = time.perf_counter()
         await router.Pick(
@@ -324,6 +344,7 @@ async def overhead(of: Omniflow, folder: Path, samples: int) -> dict[str, float]
         return time.perf_counter() - start
 
     gw, dr, diff, picks, rr, toks, floor = [], [], [], [], [], [], []
+    local, local_rr = [], []
     for _ in range(5):  # warm: connections, caches
         await via_gateway()
         await direct()
@@ -339,11 +360,15 @@ async def overhead(of: Omniflow, folder: Path, samples: int) -> dict[str, float]
         diff.append(a - b)
         picks.append(await pick())
         rr.append(await pick(router_pb2.STRATEGY_ROUND_ROBIN))
+        local.append(await local_pick())
+        local_rr.append(await local_pick("round_robin"))
         toks.append(tokenize())
         floor.append(await health())
     conn[0][1].close()
     await channel.close()
     await rchannel.close()
+    await picker.close()
+    await registry.close()
     return {
         "gateway_ttft_p50": pct(gw, 0.5) * 1e3,
         "direct_ttft_p50": pct(dr, 0.5) * 1e3,
@@ -351,6 +376,8 @@ async def overhead(of: Omniflow, folder: Path, samples: int) -> dict[str, float]
         "added_p90": pct(diff, 0.9) * 1e3,
         "pick_p50": pct(picks, 0.5) * 1e3,
         "pick_rr_p50": pct(rr, 0.5) * 1e3,
+        "local_pick_p50": pct(local, 0.5) * 1e3,
+        "local_pick_rr_p50": pct(local_rr, 0.5) * 1e3,
         "tokenize_p50": pct(toks, 0.5) * 1e3,
         "health_p50": pct(floor, 0.5) * 1e3,
     }
@@ -503,8 +530,7 @@ def main() -> int:
                 of = start_echo(ours[-1].procs, ours[-1].of)
                 over = asyncio.run(overhead(of, folder, args.overhead_samples))
                 print(f"  overhead, one echo worker: {over}", flush=True)
-                # A second echo worker: the model has a choice, so the router's Pick is on
-                # the gateway's path (a lone worker is called without one).
+                # A second echo worker: the model has a choice (the kv_aware pick decides).
                 start_echo(ours[-1].procs, ours[-1].of, "echo-2")
                 two = asyncio.run(overhead(of, folder, args.overhead_samples))
                 print(f"  overhead, two echo workers: {two}", flush=True)

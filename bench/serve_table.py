@@ -71,20 +71,22 @@ def table(res: dict, names: list[str], over: dict | None, loads: list[str], args
             "",
             "gateway overhead (1-token chat, paired with the worker's gRPC Generate; echo "
             "TEST worker, no compute):",
-            f"  one echo worker (the model's lone worker: no Pick): TTFT p50 via gateway "
+            f"  one echo worker: TTFT p50 via gateway "
             f"{over['gateway_ttft_p50']:.2f} ms, direct {over['direct_ttft_p50']:.2f} ms; "
             f"added p50 {over['added_p50']:.2f} ms, p90 {over['added_p90']:.2f} ms "
             "(target <= 1 ms p50)",
         ]
         if "added_p50_picked" in over:
             lines.append(
-                f"  two echo workers (the router's kv_aware Pick on the path): TTFT p50 via "
+                f"  two echo workers (the gateway's kv_aware pick chooses): TTFT p50 via "
                 f"gateway {over['gateway_ttft_p50_picked']:.2f} ms, direct "
                 f"{over['direct_ttft_p50_picked']:.2f} ms; added p50 "
                 f"{over['added_p50_picked']:.2f} ms, p90 {over['added_p90_picked']:.2f} ms"
             )
         lines += [
-            f"  timed alone: router Pick (kv_aware, with the index's prefix match) p50 "
+            f"  timed alone: the gateway's in-process pick (kv_aware, with the index's prefix "
+            f"match) p50 {over['local_pick_p50']:.2f} ms (round_robin "
+            f"{over['local_pick_rr_p50']:.2f} ms); the router's Pick (the coordinator's) p50 "
             f"{over['pick_p50']:.2f} ms (round_robin {over['pick_rr_p50']:.2f} ms), "
             f"template+tokenize+hashes p50 {over['tokenize_p50']:.2f} ms, an HTTP round trip "
             f"(GET /health) p50 {over['health_p50']:.2f} ms",
