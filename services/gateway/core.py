@@ -302,8 +302,10 @@ class GatewayCore:
         """Pick the workers of choices 0..n-1 now, so that "no worker" is the response's
         status (503) rather than an error event after a 200 has been sent."""
         exclude = await self._exclude("llm", prep.workers)
-        picks = await asyncio.gather(*(self._pick(prep, exclude) for _ in range(n)))
-        prep.picked.update(enumerate(picks))
+        # One after another, in this process: each pick sees the load of those before it
+        # (and no task is made per pick).
+        for i in range(n):
+            prep.picked[i] = await self._pick(prep, exclude)
 
     def release(self, preps: list[Prepared]) -> None:
         """Hand back picks no stream used (the client left first): neutral outcomes."""
