@@ -27,7 +27,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Unpack
 
 from omniflow.api.common.v1 import common_pb2
 from omniflow.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -37,7 +37,7 @@ from omniflow.discovery import Registry, find_address
 from omniflow.dsl.flow import chat_parts, output_flow
 from omniflow.errors import NotFound, OmniflowError, Unavailable
 from omniflow.finish import finish_from_proto
-from omniflow.routing.picker import Picker
+from omniflow.routing.picker import Picker, PickOptions
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
 from omniflow.values import from_python, to_python
@@ -161,14 +161,7 @@ class Backends:
     # ------------------------------------------------------------ picking
 
     async def pick(
-        self,
-        role: str,
-        operation: str,
-        *,
-        strategy: str = "",
-        namespace: bytes = b"",
-        hashes: list[bytes] | None = None,
-        exclude: tuple[str, ...] = (),
+        self, role: str, operation: str, strategy: str = "", **options: Unpack[PickOptions]
     ) -> Picked:
         """A worker of ``role`` by ``strategy`` ("" or "router": the role's default), its
         call counted on it until ``report``; NotFound when none is live within the wait."""
@@ -179,14 +172,7 @@ class Backends:
             # The table is at most one catalog_ttl_s old (a restarted worker's new address).
             await self.workers()
             try:
-                result = await self.picker.pick(
-                    role,
-                    strategy,
-                    exclude=exclude,
-                    operation=operation,
-                    namespace=namespace,
-                    hashes=hashes,
-                )
+                result = await self.picker.pick(role, strategy, operation=operation, **options)
             except NotFound:
                 # No live worker now: with one worker restarting, wait for it on a fresh
                 # listing (the caller turns the NotFound left at the end into its 503).

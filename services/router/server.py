@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 
@@ -26,7 +26,7 @@ from omniflow.convert import strategy_name, strategy_value, worker_info
 from omniflow.discovery import find_address
 from omniflow.errors import InvalidArgument, OmniflowError, Unavailable
 from omniflow.kv.wire import read_namespace
-from omniflow.routing.picker import Picker
+from omniflow.routing.picker import Picker, PickOptions
 from omniflow.routing.table import PickResult
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel, remaining_s
@@ -290,34 +290,14 @@ class RouterApp(ServiceApp):
         )
 
     async def pick(
-        self,
-        role: str,
-        strategy_enum: int,
-        *,
-        exclude: tuple[str, ...] = (),
-        operation: str = "",
-        session_key: str = "",
-        namespace: bytes = b"",
-        hashes: list[bytes] | None = None,
-        temperature: float = 0.0,
-        stored_node: str = "",
+        self, role: str, strategy_enum: int, **options: Unpack[PickOptions]
     ) -> PickResult:
         """One worker for a call (``Picker.pick``); ``strategy_enum`` 0: the role's default."""
         if not role:
             raise InvalidArgument("role is required (e.g. 'llm', 'encoder', 'diffusion')")
         started = time.perf_counter()
         strategy = strategy_name(strategy_enum, self.settings.strategy_for(role))
-        result = await self.picker.pick(
-            role,
-            strategy,
-            exclude=exclude,
-            operation=operation,
-            session_key=session_key,
-            namespace=namespace,
-            hashes=hashes,
-            temperature=temperature,
-            stored_node=stored_node,
-        )
+        result = await self.picker.pick(role, strategy, **options)
         metrics.picked(result, time.perf_counter() - started)
         return result
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from typing import TypedDict, Unpack
 
 from omniflow.discovery import Registry
 from omniflow.errors import InvalidArgument, OmniflowError
@@ -33,6 +34,18 @@ def acknowledged(node: str, blocks: int) -> OwnerMatch:
     """The agent of ``node`` as holding all ``blocks`` in its host tier: the caller knows it
     acknowledged storing them (a prefill_only reply), though the index may not say so yet."""
     return OwnerMatch(f"acknowledged@{node}", node, "", "agent", blocks, (0, blocks, 0))
+
+
+class PickOptions(TypedDict, total=False):
+    """What a pick may weigh besides its role and strategy; every key is optional."""
+
+    exclude: Iterable[str]  # worker ids not to pick (a failed attempt's)
+    operation: str  # only workers that serve it ("" any)
+    session_key: str  # sticky: one session, one worker
+    namespace: bytes  # kv_aware: the KV namespace of ``hashes``
+    hashes: list[bytes]  # kv_aware: the prompt's block hashes
+    temperature: float  # kv_aware: softmax temperature over costs (0: the settings')
+    stored_node: str  # kv_aware: a node whose agent acknowledged every block of ``hashes``
 
 
 class Picker:
@@ -60,33 +73,25 @@ class Picker:
         )
 
     async def pick(
-        self,
-        role: str,
-        strategy: str = "",
-        *,
-        exclude: Iterable[str] = (),
-        operation: str = "",
-        session_key: str = "",
-        namespace: bytes = b"",
-        hashes: list[bytes] | None = None,
-        temperature: float = 0.0,
-        stored_node: str = "",
+        self, role: str, strategy: str = "", **options: Unpack[PickOptions]
     ) -> PickResult:
-        """One worker of ``role`` by ``strategy`` ("": the role's default); for kv_aware,
-        ``stored_node`` names a node whose agent already acknowledged every block of
-        ``hashes`` (counted before the index knows). The caller ``begin``s the call on the
-        table and ``finish``es it with its outcome."""
+        """One worker of ``role`` by ``strategy`` ("": the role's default); a ``stored_node``
+        is counted as holding the blocks before the index knows. The caller ``begin``s the
+        call on the table and ``finish``es it with its outcome."""
         if not role:
             raise InvalidArgument("role is required (e.g. 'llm', 'encoder', 'diffusion')")
         strategy = strategy or self.settings.strategy_for(role)
-        exclude = tuple(exclude)
+        exclude = tuple(options.get("exclude", ()))
+        operation = options.get("operation", "")
+        hashes = options.get("hashes") or []
+        stored_node = options.get("stored_node", "")
         reach, fallback = None, ""
         cands = None
         if strategy == "kv_aware":
             if not self.match_alone:
                 cands = self.table.candidates(role, exclude, operation)
             if cands is None or len(cands) > 1:
-                reach, fallback = await self._match(namespace, hashes or [])
+                reach, fallback = await self._match(options.get("namespace", b""), hashes)
             else:
                 reach = []
             if stored_node and hashes:
@@ -96,10 +101,10 @@ class Picker:
             strategy,
             exclude,
             operation,
-            session_key=session_key,
+            session_key=options.get("session_key", ""),
             reach=reach,
-            prompt_blocks=len(hashes or []),
-            temperature=temperature or self.settings.kv_temperature,
+            prompt_blocks=len(hashes),
+            temperature=options.get("temperature") or self.settings.kv_temperature,
             load_weight=self.settings.kv_load_weight,
             fallback_reason=fallback,
             cands=cands,
