@@ -56,6 +56,7 @@ from omniflow.errors import (
     Unavailable,
 )
 from omniflow.security import policy
+from omniflow.tasks import stop_task
 from omniflow.values import VType, check_type, from_python, to_python
 from omniflow_services.coordinator import adoption, metrics, run_keys
 from omniflow_services.coordinator.adoption import lease_key
@@ -225,9 +226,7 @@ class RunManager:
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
         for task in self._background:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         with contextlib.suppress(Exception):
             await self.redis.delete(f"omniflow:coordinator:{self.owner_id}:lease")
 

@@ -22,7 +22,6 @@ one (which adopts it), not submitted twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -40,6 +39,7 @@ from omniflow.finish import finish_from_proto
 from omniflow.routing.picker import Picker, PickOptions
 from omniflow.rpc.client import open_channel
 from omniflow.rpc.interceptors import TracedChannel
+from omniflow.tasks import stop_task
 from omniflow.values import from_python, to_python
 from omniflow.wav import wav_bytes
 from omniflow.workers import WORKER_SERVICE, WorkerRecord, worker_from_instance
@@ -380,11 +380,8 @@ class Backends:
             rpc.cancel()
 
     async def close(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health
-            self._health = None
+        await stop_task(self._health)
+        self._health = None
         await self.picker.close()
         for channel in self._channels.values():
             await channel.close()

@@ -11,7 +11,6 @@ idempotent (``Invoke`` only when the caller says so with ``x-omniflow-idempotent
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +32,7 @@ from omniflow.rpc.interceptors import TracedChannel, remaining_s
 from omniflow.rpc.server import Runtime, ServiceApp
 from omniflow.rpc.servicer import AppServicer
 from omniflow.security.tenancy import scoped_id
+from omniflow.tasks import stop_task
 from omniflow.workers import WorkerRecord
 from omniflow_services.router import metrics
 from omniflow_services.router.config import RouterSettings
@@ -335,9 +335,7 @@ class RouterApp(ServiceApp):
     async def stop(self) -> None:
         self._unwatch()
         for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         await self.picker.close()
         for channel in self._channels.values():
             await channel.close()

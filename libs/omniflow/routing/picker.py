@@ -19,6 +19,7 @@ from typing import TypedDict, Unpack
 from omniflow.discovery import Registry
 from omniflow.errors import InvalidArgument, OmniflowError
 from omniflow.kv.index_store import OwnerMatch
+from omniflow.records import build
 from omniflow.routing.prefix import PrefixIndex, prefix_index
 from omniflow.routing.settings import PickSettings
 from omniflow.routing.table import PickResult, WorkerTable
@@ -57,12 +58,8 @@ class Picker:
         nothing, the same worker one index round trip sooner (the gateway)."""
         self.settings = settings
         self.match_alone = match_alone
-        self.table = WorkerTable(
-            breaker_threshold=settings.breaker_threshold,
-            breaker_cooldown_s=settings.breaker_cooldown_s,
-            link_gbps=settings.link_gbps,
-            prefill_tokens_s=settings.prefill_tokens_s,
-        )
+        # The table's keyword parameters are settings of the same names (breaker, link).
+        self.table = build(WorkerTable, settings)
         self.index: PrefixIndex | None = None
 
     def open_index(self, resolve: Callable[[], Awaitable[str]]) -> None:

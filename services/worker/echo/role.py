@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from omniflow.kv.blocks import block_hashes
 from omniflow.rpc.server import Runtime
 from omniflow.sampling import SamplingParams
 from omniflow.security.tenancy import scoped_id
+from omniflow.tasks import stop_task
 from omniflow_services.worker.config import WorkerSettings
 from omniflow_services.worker.echo.engine import (
     ECHO_LAYOUT,
@@ -86,11 +86,8 @@ class EchoRole(LLMRole):
         return role
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     def operations(self, role: str, served: tuple[str, ...]) -> tuple[str, ...]:
         """What a worker of ``role`` advertises: the role's own operations (``served``) when
