@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -39,6 +40,11 @@ from omniflow_services.gateway.openai_api import OpenAIRoutes
 from omniflow_services.gateway.protocol import error_body
 from omniflow_services.gateway.utility_api import add_routes
 
+log = logging.getLogger(__name__)
+
+#: A POST handler that reads the raw request (its body parsed by the handler itself).
+Handler = Callable[[Request], Awaitable[Response]]
+
 # No API key, no in-flight bound. The API's description is open as vLLM's server leaves it
 # (its key guards /v1 only): the document lists shapes, never data.
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")
@@ -64,9 +70,17 @@ def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSON
 class Guard:
     """Request id, API key, body size, in-flight bound and request counts."""
 
-    def __init__(self, app: ASGIApp, settings: GatewaySettings, routes: dict[str, str]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: GatewaySettings,
+        routes: dict[str, str],
+        direct: dict[str, Handler] | None = None,
+    ) -> None:
         self.app = app
         self.routes = routes  # path → route label (``route_labels``)
+        #: POST path → its handler, called here (``serve_direct``), not through ``app``.
+        self.direct = direct or {}
         self.key = settings.api_key.encode()
         keys_file = settings.api_keys_file
         # Read again when the file changes: a removed key stops working within a second.
@@ -136,7 +150,11 @@ class Guard:
                 return
             acting = policy.set_current(caller)
             try:
-                await self.app(scope, self._bounded(receive), send_with_id)
+                handler = self.direct.get(path) if scope.get("method") == "POST" else None
+                if handler is not None:
+                    await serve_direct(handler, scope, self._bounded(receive), send_with_id)
+                else:
+                    await self.app(scope, self._bounded(receive), send_with_id)
             finally:
                 policy.reset_current(acting)
                 self.share.release(caller.tenant)
@@ -197,6 +215,26 @@ class Guard:
         return bounded
 
 
+async def serve_direct(handler: Handler, scope: Scope, receive: Receive, send: Send) -> None:
+    """One request to ``handler`` without FastAPI's routing and middleware stack, which the
+    handlers that take the raw request and parse their body themselves do not use (each
+    layer wraps every send of a stream; bench/serve_openai.py --parts overhead measures the
+    gateway's cost). Errors get the one OpenAI shape, as FastAPI's exception handlers
+    give it; an unexpected one is logged and answered 500."""
+    try:
+        response = await handler(Request(scope, receive))
+    except APIError as exc:
+        response = error_response(exc)
+    except OmniflowError as exc:
+        response = error_response(from_domain(exc))
+    except Exception:
+        log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+        response = error_response(
+            APIError(500, "internal error (the gateway's log has it)", "server_error", None, None)
+        )
+    await response(scope, receive, send)
+
+
 def _bearer(headers: dict[bytes, bytes]) -> bytes:
     """The key of ``Authorization: Bearer <key>`` (b"" when absent or another scheme)."""
     scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
@@ -248,17 +286,19 @@ def build_app(settings: GatewaySettings, core: GatewayCore, serving: Callable[[]
         return await api.model(model_id)
 
     # The POST handlers take the raw request: they parse the body themselves, so that a bad
-    # one is OpenAI's 400 naming the field.
-    for path, handler in (
-        ("/v1/chat/completions", api.chat),
-        ("/v1/completions", api.completions),
-        ("/v1/images/generations", api.images),
-        ("/v1/audio/speech", api.speech),
-    ):
+    # one is OpenAI's 400 naming the field. The guard calls them itself (``serve_direct``);
+    # their routes here give the API document and the route labels.
+    direct: dict[str, Handler] = {
+        "/v1/chat/completions": api.chat,
+        "/v1/completions": api.completions,
+        "/v1/images/generations": api.images,
+        "/v1/audio/speech": api.speech,
+    }
+    for path, handler in direct.items():
         app.add_api_route(path, handler, methods=["POST"])
-    add_routes(app, core)  # embeddings, audio to text, tokenize, version, OpenAPI
+    direct |= add_routes(app, core)  # embeddings, audio to text, tokenize, version, OpenAPI
 
-    guard = Guard(app, settings, route_labels(app))
+    guard = Guard(app, settings, route_labels(app), direct)
     core.share = guard.share  # the core counts each tenant's tokens into it
     return guard
 

@@ -17,6 +17,7 @@ The OpenAPI document is FastAPI's, with the request bodies the handlers parse th
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -209,16 +210,21 @@ def _install_openapi(app: FastAPI) -> None:
     app.openapi = build  # type: ignore[method-assign]
 
 
-def add_routes(app: FastAPI, core: GatewayCore) -> None:
-    """Register embeddings, audio-to-text, tokenizer, version and the OpenAPI routes."""
+def add_routes(
+    app: FastAPI, core: GatewayCore
+) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+    """Register embeddings, audio-to-text, tokenizer, version and the OpenAPI routes; the
+    POST handlers (path → handler) are returned for the guard to call directly."""
     embeddings, audio, utility = EmbeddingsRoutes(core), AudioRoutes(core), UtilityRoutes(core)
-    for path, handler in (
-        ("/v1/embeddings", embeddings.embeddings),
-        ("/v1/audio/transcriptions", audio.transcriptions),
-        ("/v1/audio/translations", audio.translations),
-        ("/tokenize", utility.tokenize),
-        ("/detokenize", utility.detokenize),
-    ):
+    posts: dict[str, Callable[[Request], Awaitable[Response]]] = {
+        "/v1/embeddings": embeddings.embeddings,
+        "/v1/audio/transcriptions": audio.transcriptions,
+        "/v1/audio/translations": audio.translations,
+        "/tokenize": utility.tokenize,
+        "/detokenize": utility.detokenize,
+    }
+    for path, handler in posts.items():
         app.add_api_route(path, handler, methods=["POST"])
     app.add_api_route("/version", utility.version, methods=["GET"])
     _install_openapi(app)
+    return posts
