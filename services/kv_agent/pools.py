@@ -79,12 +79,14 @@ class Pools:
         *,
         shm_dir: Path = DEFAULT_SHM_DIR,
         on_new_pool: Callable[[PagePool], None] | None = None,
+        on_events: Callable[[list[BlockEvent]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = safe_name(name)
         self.settings = settings
         self.shm_dir = shm_dir
         self.on_new_pool = on_new_pool
+        self.on_events = on_events  # every pool's store calls it as it queues events
         self._clock = clock
         self._pools: dict[int, PagePool] = {}
         self._pins: dict[str, _Pin] = {}
@@ -145,7 +147,7 @@ class Pools:
                 if num_pages >= 1:
                     path = Path(f"{s.ssd_path}.{page_bytes}")
                     ssd = SsdTier(SsdFile.open(path, page_bytes, num_pages))
-            store = TieredStore(HostTier(arena), ssd)
+            store = TieredStore(HostTier(arena), ssd, self.on_events)
         except BaseException:
             arena.close()
             arena.unlink()

@@ -34,7 +34,7 @@ from omniflow.errors import (
 )
 from omniflow.kv.arena import HEADER_BYTES
 from omniflow.kv.blocks import KVLayout
-from omniflow.kv.events import BlockEntry, Tier
+from omniflow.kv.events import BlockEntry, BlockEvent, Tier
 from omniflow.kv.index_link import IndexLink
 from omniflow.kv.wire import (
     check_hashes,
@@ -434,7 +434,7 @@ class KVAgentApp(ServiceApp):
                 self.grants = grants.NixlGrants(self.nixl)
             else:
                 log.info("NIXL channel off: %s", reason)
-        self._pools = Pools(self.shm_prefix(runtime.instance_id), s)
+        self._pools = Pools(self.shm_prefix(runtime.instance_id), s, on_events=self._queued)
         recovered = await asyncio.to_thread(self._pools.recover_ssd)
         for pool in recovered:
             log.info(
@@ -459,6 +459,10 @@ class KVAgentApp(ServiceApp):
         )
         self._link.start()
         self._upkeep = asyncio.create_task(self._upkeep_loop())
+
+    def _queued(self, events: list[BlockEvent]) -> None:
+        if self._link is not None:
+            self._link.wake()
 
     def shm_prefix(self, instance_id: str) -> str:
         """The start of this agent's shared-memory names: its instance id and, when set,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omniflow.api.kvindex.v1 import kvindex_pb2
@@ -40,6 +40,8 @@ class DeviceEvents:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._events: list[BlockEvent] = []
+        #: Called when events are queued (the index link's ``wake``).
+        self.notify: Callable[[], None] | None = None
 
     def publish(self, layout: KVLayout, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
         ns = layout.namespace
@@ -47,6 +49,8 @@ class DeviceEvents:
         new += [BlockEvent(EventKind.REMOVED, ns, h, Tier.DEVICE) for h in removed]
         with self._lock:
             self._events.extend(new)
+        if new and self.notify is not None:
+            self.notify()  # from the engine's step thread: IndexLink.wake is thread-safe
 
     def drain(self) -> list[BlockEvent]:
         with self._lock:
@@ -111,6 +115,7 @@ class WorkerKV:
             kind=kvindex_pb2.OWNER_KIND_WORKER,
         )
         self.link.start()
+        events.notify = self.link.wake
         log.info("KV attached: agent %s, index %s", agent, index or "(none yet)")
 
     async def wait_stored(self, hashes: Sequence[bytes], timeout_s: float) -> bool:

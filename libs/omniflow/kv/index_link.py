@@ -104,6 +104,9 @@ class IndexLink:
     _: KW_ONLY
     lease_ms: int = 0
     publish_interval_s: float = 0.02
+    #: With nothing to publish the wait doubles up to this (an idle owner costs no CPU);
+    #: ``wake()`` ends a wait at once, so the first event after a quiet spell is not late.
+    idle_interval_s: float = 0.5
     call_timeout_s: float = 5.0
     max_batch: int = 8192
     kind: int = kvindex_pb2.OWNER_KIND_AGENT
@@ -122,11 +125,24 @@ class IndexLink:
         self._snapshot_wanted = False
         self._task: asyncio.Task[None] | None = None
         self._layouts: dict[bytes, KVLayout] = {}
+        self._wake = asyncio.Event()
+        self._waking = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # --- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="kv-index-link")
+
+    def wake(self) -> None:
+        """There are events to publish: end the link's wait now. Safe from any thread (the
+        engine's step thread, an agent's I/O thread)."""
+        loop = self._loop
+        if self._waking or loop is None or loop.is_closed():
+            return  # one wake-up in flight is enough (no syscall per event)
+        self._waking = True
+        loop.call_soon_threadsafe(self._wake.set)
 
     async def stop(self) -> None:
         """Stop publishing and give the lease up (the index drops our entries at once)."""
@@ -232,6 +248,7 @@ class IndexLink:
         assert self._stub is not None
         beat_every = max(self.lease_ms / 3000.0, 0.05)
         next_beat = time.monotonic() + beat_every
+        wait = self.publish_interval_s
         while True:
             if self._snapshot_wanted:
                 await self._snapshot()
@@ -239,8 +256,19 @@ class IndexLink:
             if now >= next_beat:
                 await self._heartbeat()
                 next_beat = now + beat_every
-            await self._publish()
-            await asyncio.sleep(self.publish_interval_s)
+            # Before the drain: an event queued after it wakes the wait below.
+            self._waking = False
+            self._wake.clear()
+            if await self._publish():
+                # Busy: publish every interval, the events batching up meanwhile.
+                wait = self.publish_interval_s
+                await asyncio.sleep(wait)
+                continue
+            # Idle: wait longer each time (up to the next heartbeat), until woken.
+            wait = min(2 * wait, self.idle_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(min(wait, next_beat - time.monotonic()), 0.0)):
+                    await self._wake.wait()
 
     async def _heartbeat(self) -> None:
         assert self._stub is not None
@@ -254,10 +282,12 @@ class IndexLink:
         if reply.snapshot_requested:
             self._snapshot_wanted = True
 
-    async def _publish(self) -> None:
+    async def _publish(self) -> bool:
+        """Send what is pending; True when there was something to send."""
         assert self._stub is not None
         if not self._pending:
             self._pending = self.drain()
+        busy = bool(self._pending)
         while self._pending:
             batch = self._pending[: self.max_batch]
             reply = await self._stub.PublishEvents(
@@ -276,4 +306,5 @@ class IndexLink:
                 raise _Reacquire(f"batch refused: {reply.reason}")
             log.info("kv index asked for a snapshot (%s)", reply.reason)
             await self._snapshot()
-            return
+            return busy
+        return busy

@@ -127,6 +127,7 @@ class DeviceIndex:
             kind=kvindex_pb2.OWNER_KIND_WORKER,
         )
         self.link.start()
+        self.events.notify = self.link.wake
 
     def _run(self) -> None:
         import msgspec
