@@ -294,9 +294,9 @@ def build_app(settings: GatewaySettings, core: GatewayCore, serving: Callable[[]
         "/v1/images/generations": api.images,
         "/v1/audio/speech": api.speech,
     }
+    direct |= add_routes(app, core)  # embeddings, audio to text, tokenize; version, OpenAPI
     for path, handler in direct.items():
         app.add_api_route(path, handler, methods=["POST"])
-    direct |= add_routes(app, core)  # embeddings, audio to text, tokenize, version, OpenAPI
 
     guard = Guard(app, settings, route_labels(app), direct)
     core.share = guard.share  # the core counts each tenant's tokens into it

@@ -213,8 +213,9 @@ def _install_openapi(app: FastAPI) -> None:
 def add_routes(
     app: FastAPI, core: GatewayCore
 ) -> dict[str, Callable[[Request], Awaitable[Response]]]:
-    """Register embeddings, audio-to-text, tokenizer, version and the OpenAPI routes; the
-    POST handlers (path → handler) are returned for the guard to call directly."""
+    """Register the version and OpenAPI routes; the POST handlers of embeddings, audio to
+    text and the tokenizer (path → handler) are returned, for the app to register with its
+    own and the guard to call directly."""
     embeddings, audio, utility = EmbeddingsRoutes(core), AudioRoutes(core), UtilityRoutes(core)
     posts: dict[str, Callable[[Request], Awaitable[Response]]] = {
         "/v1/embeddings": embeddings.embeddings,
@@ -223,8 +224,6 @@ def add_routes(
         "/tokenize": utility.tokenize,
         "/detokenize": utility.detokenize,
     }
-    for path, handler in posts.items():
-        app.add_api_route(path, handler, methods=["POST"])
     app.add_api_route("/version", utility.version, methods=["GET"])
     _install_openapi(app)
     return posts
