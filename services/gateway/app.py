@@ -38,12 +38,9 @@ from omniflow_services.gateway.errors import APIError, from_domain
 from omniflow_services.gateway.fairshare import TenantShare
 from omniflow_services.gateway.openai_api import OpenAIRoutes
 from omniflow_services.gateway.protocol import error_body
-from omniflow_services.gateway.utility_api import add_routes
+from omniflow_services.gateway.utility_api import Handler, add_routes
 
 log = logging.getLogger(__name__)
-
-#: A POST handler that reads the raw request (its body parsed by the handler itself).
-Handler = Callable[[Request], Awaitable[Response]]
 
 # No API key, no in-flight bound. The API's description is open as vLLM's server leaves it
 # (its key guards /v1 only): the document lists shapes, never data.

@@ -210,14 +210,16 @@ def _install_openapi(app: FastAPI) -> None:
     app.openapi = build  # type: ignore[method-assign]
 
 
-def add_routes(
-    app: FastAPI, core: GatewayCore
-) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+#: A POST handler that reads the raw request (its body parsed by the handler itself).
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def add_routes(app: FastAPI, core: GatewayCore) -> dict[str, Handler]:
     """Register the version and OpenAPI routes; the POST handlers of embeddings, audio to
     text and the tokenizer (path → handler) are returned, for the app to register with its
     own and the guard to call directly."""
     embeddings, audio, utility = EmbeddingsRoutes(core), AudioRoutes(core), UtilityRoutes(core)
-    posts: dict[str, Callable[[Request], Awaitable[Response]]] = {
+    posts: dict[str, Handler] = {
         "/v1/embeddings": embeddings.embeddings,
         "/v1/audio/transcriptions": audio.transcriptions,
         "/v1/audio/translations": audio.translations,
